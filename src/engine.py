@@ -1,0 +1,126 @@
+"""``vLLMEngine``: vLLM's AsyncLLM on its own event loop, and the raw job path.
+
+Raw output (worker-vllm's format), one item per stream batch, or one item when not streaming::
+
+    {"choices": [{"tokens": ["text", ...]}, ...n entries], "usage": {"input": P, "output": G}}
+
+``P`` is the number of prompt tokens and ``G`` the number of tokens generated so far (all
+choices). Choices with no new text in a batch have ``"tokens": []``. When ``logprobs`` is asked
+for, each choice also carries ``"logprobs"``: one ``{"token", "token_id", "logprob",
+"top_logprobs"}`` entry per generated token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from batching import BatchSize, batched
+from event_loop import BackgroundLoop
+from job_input import JobInput
+from sampling import build_sampling_params
+from settings import WorkerConfig, load_config
+from tokenizer import TokenizerWrapper
+from vllm_adapter import AsyncLLM, RequestOutput, TokensPrompt, load_chat_template
+
+log = logging.getLogger(__name__)
+
+__all__ = ["vLLMEngine"]
+
+
+def _logprobs(completion: Any) -> list[dict[str, Any]]:
+    entries = []
+    for token_id, top in zip(completion.token_ids, completion.logprobs or ()):
+        chosen = top.get(token_id)
+        entries.append({
+            "token": chosen.decoded_token if chosen else None,
+            "token_id": token_id,
+            "logprob": chosen.logprob if chosen else None,
+            "top_logprobs": {lp.decoded_token: lp.logprob for lp in top.values()},
+        })
+    return entries
+
+
+class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
+    """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
+
+    def __init__(self, config: WorkerConfig | None = None) -> None:
+        self.config = config or load_config()
+        self.settings = self.config.settings
+        self.engine_args = self.config.args.engine_args
+        self.loop = BackgroundLoop("vllm-engine")
+        started = time.perf_counter()
+        self.llm: AsyncLLM = self.loop.run(self._start())
+        log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
+        template = load_chat_template(self.config.args.namespace.chat_template)
+        self.tokenizer = TokenizerWrapper(self.llm.get_tokenizer(), template)
+
+    async def _start(self) -> AsyncLLM:
+        # Built inside the private loop, which its output handler then belongs to.
+        return AsyncLLM.from_engine_args(self.engine_args)
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.settings.max_concurrency
+
+    def batch_size(self, job: JobInput) -> BatchSize:
+        """Worker defaults, overridden per job."""
+        s = self.settings
+        return BatchSize(job.max_batch_size or s.default_batch_size,
+                         job.min_batch_size or s.min_batch_size,
+                         job.batch_size_growth_factor or s.batch_size_growth_factor)
+
+    async def generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
+        """Raw job output items; callable from any event loop."""
+        async for item in self.loop.stream(self._generate(job)):
+            yield item
+
+    async def _prompt_tokens(self, job: JobInput) -> list[int]:
+        llm_input = job.llm_input
+        if job.apply_chat_template or isinstance(llm_input, list):
+            text = self.tokenizer.apply_chat_template(llm_input)
+            special = False  # the template already placed BOS and friends
+        else:
+            text, special = llm_input, True
+        # Long prompts take a while to tokenize: keep the engine's loop free meanwhile.
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special)
+
+    async def _generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
+        params = build_sampling_params(job.sampling_params, job.stream)
+        prompt_ids = await self._prompt_tokens(job)
+        outputs = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                    job.request_id)
+        usage = {"input": len(prompt_ids), "output": 0}
+        with_logprobs = params.logprobs is not None
+        if not job.stream:
+            async for final in outputs:  # FINAL_ONLY: a single output
+                yield self._item([final], params.n, usage, with_logprobs)
+            return
+        size = self.batch_size(job)
+        async for batch in batched(outputs, size, weight=lambda o: sum(len(c.token_ids) for c in o.outputs)):
+            yield self._item(batch, params.n, usage, with_logprobs)
+
+    @staticmethod
+    def _item(outputs: Sequence[RequestOutput], n: int, usage: dict[str, int],
+              with_logprobs: bool) -> dict[str, Any]:
+        """One output item from consecutive (delta or final) outputs; ``usage`` accumulates."""
+        choices: list[dict[str, Any]] = [{"tokens": []} for _ in range(n)]
+        if with_logprobs:
+            for choice in choices:
+                choice["logprobs"] = []
+        for output in outputs:
+            for completion in output.outputs:
+                choice = choices[completion.index]
+                if completion.text:
+                    choice["tokens"].append(completion.text)
+                if with_logprobs:
+                    choice["logprobs"].extend(_logprobs(completion))
+                usage["output"] += len(completion.token_ids)
+        return {"choices": choices, "usage": dict(usage)}
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        self.loop.close()

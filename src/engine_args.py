@@ -1,0 +1,444 @@
+"""Engine configuration: vLLM's own CLI parser, fed from layered sources.
+
+Precedence, highest first (each layer is one function returning ``{dest: Setting}``):
+
+1. env aliases       ``MODEL_NAME``→model, ``MODEL_REVISION``→revision, ``TOKENIZER_NAME``→tokenizer,
+                     ``CUSTOM_CHAT_TEMPLATE``→chat_template, ``OPENAI_RESPONSE_ROLE``→response_role,
+                     ``LORA_MODULES``→lora_modules
+2. env vars          every flag of ``vllm serve``'s engine parser as its UPPER_SNAKE name
+                     (``MAX_MODEL_LEN``→``--max-model-len``), the OpenAI front-end flags in
+                     ``FRONTEND_DESTS``, plus ``SPECULATIVE_*`` and the deprecated names below
+3. config file       YAML at ``VLLM_CONFIG_FILE`` (``/vllm_config.yaml``), keys as in ``vllm serve --config``
+4. baked args        ``/local_model_args.json``, written when a model is baked into the image
+5. worker defaults   ``WORKER_DEFAULTS``
+6. vLLM defaults
+
+No flag list is kept here: names, types and choices come from ``make_arg_parser``, so a vLLM
+upgrade brings its new flags along. Every value is converted to CLI tokens and parsed by vLLM's
+parser, one setting at a time, so a bad value is reported with the variable that set it, before
+the model loads. An empty env value means "not set".
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from errors import ConfigError
+from vllm_adapter import AsyncEngineArgs, arg_annotations, build_arg_parser, engine_arg_dests
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "ResolvedArgs", "Setting", "WORKER_DEFAULTS",
+           "get_engine_args", "known_env_names", "resolve_args"]
+
+ENV_ALIASES: Mapping[str, str] = {
+    "MODEL_NAME": "model",
+    "MODEL_REVISION": "revision",
+    "TOKENIZER_NAME": "tokenizer",
+    "CUSTOM_CHAT_TEMPLATE": "chat_template",
+    "OPENAI_RESPONSE_ROLE": "response_role",
+    "LORA_MODULES": "lora_modules",
+}
+
+# `vllm serve` front-end flags that shape how requests are served. The others (host, port, TLS,
+# CORS, API key, uvicorn) belong to an HTTP server the worker does not run.
+FRONTEND_DESTS = frozenset({
+    "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
+    "enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin",
+    "exclude_tools_when_tool_choice_none", "enable_force_include_usage", "enable_log_outputs",
+    "enable_log_deltas", "enable_prompt_tokens_details", "log_error_stack", "lora_modules",
+    "response_role", "return_tokens_as_token_ids", "trust_request_chat_template",
+    "max_log_len", "tool_strict_level",
+})
+
+# Engine fields never taken from a bare env var: huggingface_hub reads HF_TOKEN itself, and
+# copying it into the engine args would put the secret into vLLM's "non-default args" log.
+RESERVED_ENV = frozenset({"HF_TOKEN"})
+
+WORKER_DEFAULTS: Mapping[str, Any] = {
+    "gpu_memory_utilization": 0.95,  # the worker owns the GPU; vLLM's 0.92 leaves it idle
+    "max_num_seqs": 256,
+}
+
+# Knobs worker-vllm documented that vLLM 0.32 no longer has: warned about, then ignored.
+REMOVED_ENV: Mapping[str, str] = {
+    "SWAP_SPACE": "vLLM V1 preempts by recomputation",
+    "WORKER_USE_RAY": "use DISTRIBUTED_EXECUTOR_BACKEND=ray",
+    "TOKENIZER_POOL_SIZE": "tokenization runs in the API process",
+    "TOKENIZER_POOL_TYPE": "tokenization runs in the API process",
+    "TOKENIZER_POOL_EXTRA_CONFIG": "tokenization runs in the API process",
+    "ENABLE_PROMPT_ADAPTER": "prompt adapters were removed from vLLM",
+    "MAX_PROMPT_ADAPTERS": "prompt adapters were removed from vLLM",
+    "MAX_PROMPT_ADAPTER_TOKEN": "prompt adapters were removed from vLLM",
+    "LORA_EXTRA_VOCAB_SIZE": "removed from vLLM",
+    "NUM_LOOKAHEAD_SLOTS": "removed with the V0 engine",
+    "SCHEDULER_DELAY_FACTOR": "removed with the V0 engine",
+    "USE_V2_BLOCK_MANAGER": "removed with the V0 engine",
+    "SPEC_DECODING_ACCEPTANCE_METHOD": "removed with the V0 engine",
+    "GUIDED_DECODING_BACKEND": 'use STRUCTURED_OUTPUTS_CONFIG=\'{"backend": "..."}\'',
+    "DEVICE": "vLLM detects the platform",
+    "MAX_SEQ_LEN_TO_CAPTURE": "use COMPILATION_CONFIG (cudagraph capture sizes)",
+    "MAX_CONTEXT_LEN_TO_CAPTURE": "use COMPILATION_CONFIG (cudagraph capture sizes)",
+}
+# Deprecated spellings still honoured, with the value rewritten for the new flag.
+RENAMED_ENV: Mapping[str, tuple[str, Callable[[str], str]]] = {
+    "VLLM_ATTENTION_BACKEND": ("ATTENTION_BACKEND", str),
+    "DISABLE_LOG_REQUESTS": ("ENABLE_LOG_REQUESTS", lambda v: str(not _parse_bool(v)).lower()),
+}
+
+# vLLM treats these as "derive from the model" when unset; RunPod templates send 0 for that.
+ZERO_MEANS_UNSET = ("max_model_len", "max_num_batched_tokens")
+
+# SPECULATIVE_* env vars → keys of vLLM's speculative config (value parser per key).
+SPECULATIVE_ENV: Mapping[str, tuple[str, Callable[[str], Any]]] = {
+    "SPECULATIVE_METHOD": ("method", str),
+    "SPECULATIVE_MODEL": ("model", str),
+    "NUM_SPECULATIVE_TOKENS": ("num_speculative_tokens", int),
+    "NGRAM_PROMPT_LOOKUP_MAX": ("prompt_lookup_max", int),
+    "NGRAM_PROMPT_LOOKUP_MIN": ("prompt_lookup_min", int),
+    "SPECULATIVE_DRAFT_TENSOR_PARALLEL_SIZE": ("draft_tensor_parallel_size", int),
+    "SPECULATIVE_MAX_MODEL_LEN": ("max_model_len", int),
+    "SPECULATIVE_DISABLE_BY_BATCH_SIZE": ("disable_by_batch_size", int),
+    "SPECULATIVE_QUANTIZATION": ("quantization", str),
+    "SPECULATIVE_MODEL_REVISION": ("revision", str),
+    "SPECULATIVE_ENFORCE_EAGER": ("enforce_eager", lambda v: _parse_bool(v)),
+}
+
+# Keys of the baked-args file that name the repos the local copies came from.
+BAKED_SOURCE_KEYS = {"model": "BAKED_MODEL_NAME", "tokenizer": "BAKED_TOKENIZER_NAME"}
+
+_SECRET = re.compile(r"(^|_)(token|key|secret|password)$")
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE | _FALSE:
+        return lowered in _TRUE
+    raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One configured flag: the CLI tokens vLLM's parser reads, and where they came from."""
+
+    dest: str
+    tokens: tuple[str, ...]
+    source: str
+    value: Any  # as given, for the summary log and baked-model matching
+
+    @property
+    def shown(self) -> str:
+        return "***" if _SECRET.search(self.dest) else repr(self.value)
+
+
+@dataclass
+class ResolvedArgs:
+    """The parsed ``vllm serve`` namespace (engine + front-end flags) and its provenance."""
+
+    namespace: argparse.Namespace
+    engine_args: AsyncEngineArgs
+    settings: dict[str, Setting] = field(default_factory=dict)
+    baked_model: str | None = None  # repo id whose baked copy is served, if any
+
+    def summary(self) -> str:
+        return ", ".join(f"{s.dest}={s.shown} ({s.source})" for s in self.settings.values())
+
+
+class _Parser:
+    """vLLM's parser with lookups by dest and env name."""
+
+    def __init__(self) -> None:
+        self.parser = build_arg_parser()
+        self.actions = {a.dest: a for a in self.parser._actions if a.option_strings}
+        self.env_dests = {d for d in engine_arg_dests() | FRONTEND_DESTS if d in self.actions}
+        self.annotations = arg_annotations()
+
+    def dest_for_env(self, name: str) -> str | None:
+        if name in ENV_ALIASES:
+            return ENV_ALIASES[name]
+        dest = name.lower()
+        if name.isupper() and name not in RESERVED_ENV and dest in self.env_dests:
+            return dest
+        return None
+
+    def dest_for_option(self, key: str) -> str | None:
+        action = self.parser._option_string_actions.get("--" + key.replace("_", "-"))
+        return action.dest if action else None
+
+    def tokens_from_text(self, dest: str, text: str) -> tuple[str, ...]:
+        """CLI tokens for an env string, typed by the action it feeds."""
+        action = self.actions[dest]
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # boolean flags
+            on = _parse_bool(text)
+            if isinstance(action, argparse.BooleanOptionalAction):
+                return (flag if on else "--no-" + flag[2:],)
+            return (flag,) if on else ()
+        if action.nargs in ("+", "*"):
+            items = json.loads(text) if text.startswith("[") else [
+                part.strip() for part in text.split(",") if part.strip()]
+            return (flag, *(i if isinstance(i, str) else json.dumps(i) for i in items))
+        return (flag, text)
+
+    def tokens_from_value(self, dest: str, value: Any) -> tuple[str, ...]:
+        """CLI tokens for a typed value (YAML, JSON), as `vllm serve --config` converts them."""
+        if isinstance(value, bool):
+            return self.tokens_from_text(dest, str(value))
+        flag = self.actions[dest].option_strings[0]
+        if isinstance(value, list):
+            return (flag, *(v if isinstance(v, str) else json.dumps(v) for v in value))
+        if isinstance(value, dict):
+            return (flag, json.dumps(value))
+        return (flag, str(value))
+
+    def expected(self, dest: str) -> str:
+        """What the flag accepts, in words, from vLLM's own choices and annotations."""
+        action = self.actions[dest]
+        if action.choices:
+            return "one of " + ", ".join(map(str, action.choices))
+        if action.nargs == 0:
+            return "a boolean"
+        kind = self.annotations.get(dest, "str")
+        if "dict" in kind or "Config" in kind:
+            return f"JSON ({kind})"
+        return "a list" if action.nargs in ("+", "*") else kind
+
+
+@functools.cache
+def _parser() -> _Parser:
+    return _Parser()
+
+
+def known_env_names() -> frozenset[str]:
+    """Every env var name this module reads."""
+    return frozenset({d.upper() for d in _parser().env_dests} | set(ENV_ALIASES)
+                     | set(REMOVED_ENV) | set(RENAMED_ENV) | set(SPECULATIVE_ENV)
+                     | {"VLLM_CONFIG_FILE", "LOCAL_MODEL_ARGS_FILE"})
+
+
+def _settings(parser: _Parser, items: Iterator[tuple[str, Any]], source: str,
+              errors: list[str], *, from_text: bool) -> dict[str, Setting]:
+    """Turn (name, value) pairs into Settings; names must already be dests."""
+    out: dict[str, Setting] = {}
+    for dest, value in items:
+        try:
+            tokens = (parser.tokens_from_text(dest, value) if from_text
+                      else parser.tokens_from_value(dest, value))
+        except ValueError as exc:
+            errors.append(f"{source}={value!r}: {exc}; expected {parser.expected(dest)}")
+            continue
+        out[dest] = Setting(dest, tokens, source, value)
+    return out
+
+
+def _worker_defaults_layer(parser: _Parser, errors: list[str]) -> dict[str, Setting]:
+    items = ((d, v) for d, v in WORKER_DEFAULTS.items() if d in parser.actions)
+    return _settings(parser, items, "worker default", errors, from_text=False)
+
+
+def _baked_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[str, Setting]:
+    if not path.is_file():
+        return {}
+    try:
+        baked = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        errors.append(f"baked args {path}: not valid JSON ({exc})")
+        return {}
+    out: dict[str, Setting] = {}
+    for name, value in baked.items():
+        dest = parser.dest_for_env(name)
+        if dest is None or value in (None, ""):
+            continue
+        out |= _settings(parser, iter([(dest, value)]), f"baked {path.name} {name}", errors,
+                         from_text=False)
+    return out
+
+
+def _config_file_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[str, Setting]:
+    if not path.is_file():
+        return {}
+    try:
+        config = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        errors.append(f"config file {path}: not valid YAML ({exc})")
+        return {}
+    if not isinstance(config, dict):
+        errors.append(f"config file {path}: expected a mapping of vLLM flags at the top level")
+        return {}
+    out: dict[str, Setting] = {}
+    for key, value in config.items():
+        dest = parser.dest_for_option(str(key))
+        if dest is None:
+            log.warning("Config file %s: unknown key %r ignored", path, key)
+            continue
+        if value is not None:
+            out |= _settings(parser, iter([(dest, value)]), f"config file {path.name} {key}",
+                             errors, from_text=False)
+    return out
+
+
+def _env_value(name: str, env: Mapping[str, str]) -> str | None:
+    value = env.get(name, "").strip()
+    return value or None
+
+
+def _deprecated_env(env: Mapping[str, str]) -> Iterator[tuple[str, str]]:
+    """(new env name, value) for deprecated names; warn about removed ones."""
+    for name, reason in REMOVED_ENV.items():
+        if _env_value(name, env) is not None:
+            log.warning("%s is not supported by this vLLM version and is ignored: %s", name, reason)
+    for old, (new, convert) in RENAMED_ENV.items():
+        if (value := _env_value(old, env)) is not None:
+            log.warning("%s is deprecated, use %s", old, new)
+            if _env_value(new, env) is None:
+                yield new, convert(value)
+
+
+def _limit_mm_text(text: str) -> str:
+    """``image=2,video=1`` (worker-vllm's format) or vLLM's JSON → JSON."""
+    if text.startswith("{"):
+        return text
+    limits = {}
+    for part in text.split(","):
+        key, sep, count = part.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected 'modality=count,...' or JSON, got {text!r}")
+        limits[key.strip()] = int(count)
+    return json.dumps(limits)
+
+
+def _speculative_text(env: Mapping[str, str], errors: list[str]) -> str | None:
+    """Speculative config JSON assembled from the SPECULATIVE_* variables."""
+    config: dict[str, Any] = {}
+    for name, (key, convert) in SPECULATIVE_ENV.items():
+        if (value := _env_value(name, env)) is None:
+            continue
+        try:
+            config[key] = convert(value)
+        except ValueError as exc:
+            errors.append(f"env {name}={value!r}: {exc}")
+    # vLLM infers the method (ngram, eagle, draft model, ...) when only the model is named.
+    return json.dumps(config) if config else None
+
+
+def _env_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
+    texts = dict(_deprecated_env(env))
+    if (speculative := _speculative_text(env, errors)) is not None:
+        if _env_value("SPECULATIVE_CONFIG", env) is not None:
+            log.warning("SPECULATIVE_CONFIG is set: the SPECULATIVE_* variables are ignored")
+        else:
+            texts["SPECULATIVE_CONFIG"] = speculative
+    texts |= {name: value for name in env if name not in ENV_ALIASES
+              and (value := _env_value(name, env)) is not None}
+    if "LIMIT_MM_PER_PROMPT" in texts:
+        try:
+            texts["LIMIT_MM_PER_PROMPT"] = _limit_mm_text(texts["LIMIT_MM_PER_PROMPT"])
+        except ValueError as exc:
+            errors.append(f"env LIMIT_MM_PER_PROMPT: {exc}")
+            del texts["LIMIT_MM_PER_PROMPT"]
+    out: dict[str, Setting] = {}
+    for name, text in texts.items():
+        if (dest := parser.dest_for_env(name)) is not None:
+            out |= _settings(parser, iter([(dest, text)]), f"env {name}", errors, from_text=True)
+    return out
+
+
+def _lora_modules_text(text: str) -> str:
+    """LORA_MODULES: a JSON list of adapters, or a single adapter object."""
+    value = json.loads(text)
+    return json.dumps(value if isinstance(value, list) else [value])
+
+
+def _alias_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
+    out: dict[str, Setting] = {}
+    for name, dest in ENV_ALIASES.items():
+        if (text := _env_value(name, env)) is None or dest not in parser.actions:
+            continue
+        if name == "LORA_MODULES":
+            try:
+                text = _lora_modules_text(text)
+            except ValueError as exc:
+                errors.append(f"env LORA_MODULES: not valid JSON ({exc})")
+                continue
+        out |= _settings(parser, iter([(dest, text)]), f"env {name}", errors, from_text=True)
+    return out
+
+
+def _use_baked_copies(merged: dict[str, Setting], baked: dict[str, Setting],
+                      baked_file: Path) -> str | None:
+    """Serve the image's local copy when a higher layer names the repo that was baked.
+
+    Returns the baked model's repo id when the baked model is served.
+    """
+    if not baked:
+        return None
+    sources = json.loads(baked_file.read_text())
+    for dest, key in BAKED_SOURCE_KEYS.items():
+        repo = sources.get(key)
+        if repo and dest in baked and merged.get(dest) and merged[dest].value == repo:
+            merged[dest] = baked[dest]
+    model_repo = sources.get(BAKED_SOURCE_KEYS["model"])
+    if "model" in baked and merged.get("model") is baked["model"]:
+        return model_repo or None
+    return None
+
+
+def _parse(parser: _Parser, merged: dict[str, Setting], errors: list[str]) -> argparse.Namespace:
+    namespace = parser.parser.parse_args([])
+    for setting in merged.values():
+        try:
+            parser.parser.parse_args(list(setting.tokens), namespace=namespace)
+        except (argparse.ArgumentError, ValueError, TypeError) as exc:
+            shown = setting.shown
+            errors.append(f"{setting.source}={shown}: {exc}; expected {parser.expected(setting.dest)}")
+    for dest in ZERO_MEANS_UNSET:
+        if getattr(namespace, dest, None) == 0:
+            setattr(namespace, dest, None)
+    return namespace
+
+
+def resolve_args(env: Mapping[str, str] | None = None, *,
+                 config_file: Path | None = None,
+                 baked_args_file: Path | None = None) -> ResolvedArgs:
+    """Merge every layer and parse it with vLLM's parser; raise ConfigError naming each problem."""
+    env = os.environ if env is None else env
+    config_file = config_file or Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
+    baked_args_file = baked_args_file or Path(
+        env.get("LOCAL_MODEL_ARGS_FILE") or "/local_model_args.json")
+    parser = _parser()
+    errors: list[str] = []
+    baked = _baked_layer(parser, baked_args_file, errors)
+    merged: dict[str, Setting] = {}
+    for layer in (_worker_defaults_layer(parser, errors), baked,
+                  _config_file_layer(parser, config_file, errors),
+                  _env_layer(parser, env, errors), _alias_layer(parser, env, errors)):
+        merged |= layer
+    baked_model = _use_baked_copies(merged, baked, baked_args_file)
+    if baked_model and "served_model_name" not in merged:
+        merged["served_model_name"] = Setting(
+            "served_model_name", ("--served-model-name", baked_model), "baked model id",
+            baked_model)
+    if "model" not in merged:
+        errors.append("no model configured: set MODEL_NAME (or `model` in the config file)")
+    namespace = _parse(parser, merged, errors)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return ResolvedArgs(namespace, AsyncEngineArgs.from_cli_args(namespace), merged, baked_model)
+
+
+def get_engine_args(env: Mapping[str, str] | None = None) -> AsyncEngineArgs:
+    """vLLM's ``AsyncEngineArgs`` from every configuration layer (worker-vllm's entry point)."""
+    return resolve_args(env).engine_args

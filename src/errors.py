@@ -1,0 +1,93 @@
+"""The worker's errors and the one error payload a job yields.
+
+Exception tree::
+
+    WorkerError                      anything the worker raises on purpose
+    ├── ConfigError                  bad configuration; start-up stops before the model loads
+    └── RequestError                 a job that cannot be served; the worker keeps serving
+        └── (status 400 unless set)  e.g. a bad field in the job input
+
+Exceptions from vLLM are classified by type, never by message:
+``VLLMNotFoundError`` → 404, ``VLLMClientError``/``ValueError``/``TypeError`` → 400,
+``EngineDeadError`` and accelerator faults → fatal (the worker exits so RunPod replaces it),
+anything else → 500.
+
+A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape). The runpod SDK
+posts ``str(value)`` of a yielded error as the job's error text, so ``ErrorPayload.__str__`` is
+JSON: RunPod clients get a parseable error string, in-process callers a plain dict.
+"""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+from vllm_adapter import FATAL_ERRORS, NOT_FOUND_ERRORS, REQUEST_ERRORS
+
+
+class WorkerError(Exception):
+    """Base of the worker's own exceptions."""
+
+
+class ConfigError(WorkerError):
+    """Configuration that cannot work: named variable, value and what was expected."""
+
+
+class RequestError(WorkerError):
+    """A job the worker refuses, with the offending field when there is one."""
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+class ErrorPayload(dict):
+    """``{"error": {"message", "type", "param", "code"}}`` whose ``str()`` is JSON."""
+
+    def __str__(self) -> str:
+        return json.dumps(self)
+
+
+_TYPE_NAMES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.REQUEST_TIMEOUT: "TimeoutError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+}
+
+
+def create_error_response(message: str, err_type: str | None = None,
+                          status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                          param: str | None = None) -> ErrorPayload:
+    """The error item a job yields (name kept from worker-vllm's ``utils``)."""
+    return ErrorPayload(error={
+        "message": message,
+        "type": err_type or _TYPE_NAMES.get(status_code, "InternalServerError"),
+        "param": param,
+        "code": int(status_code),
+    })
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True when the engine cannot serve again and the process must be replaced."""
+    return isinstance(exc, FATAL_ERRORS)
+
+
+def error_status(exc: BaseException) -> HTTPStatus:
+    if isinstance(exc, RequestError):
+        return exc.status
+    if isinstance(exc, NOT_FOUND_ERRORS):
+        return HTTPStatus.NOT_FOUND
+    if isinstance(exc, REQUEST_ERRORS):
+        return HTTPStatus.BAD_REQUEST
+    return HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def error_from_exception(exc: BaseException) -> ErrorPayload:
+    """Map any exception to the payload, keeping its real message and parameter."""
+    status = error_status(exc)
+    param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
+    message = str(exc) or type(exc).__name__
+    return create_error_response(message, status_code=status, param=param)

@@ -1,0 +1,69 @@
+"""A private event loop, in a daemon thread, that owns the vLLM engine.
+
+vLLM's AsyncLLM binds to the first event loop that uses it and dies with that loop. The runpod
+SDK runs several loops in turn (``asyncio.run`` for its fitness checks, another for the job
+loop, uvicorn's for ``--rp_serve_api``) and tests run their own. Owning the engine's loop makes
+the engine independent of all of them: it is built, warmed up and ready before the first job
+is taken, and any caller's loop can stream from it. Only finished batches cross threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+__all__ = ["BackgroundLoop"]
+
+_END = object()
+
+
+class BackgroundLoop:
+    def __init__(self, name: str = "engine-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on this loop and wait for it (from synchronous code only)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def stream(self, source: AsyncIterator[T]) -> AsyncIterator[T]:
+        """Iterate ``source`` on this loop, yielding its items in the caller's loop.
+
+        Closing or cancelling the consumer cancels ``source`` (so vLLM aborts the request);
+        an exception in ``source`` is re-raised in the consumer.
+        """
+        caller = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def send(item: object) -> None:
+            try:
+                caller.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is gone; nobody is listening
+                pass
+
+        async def pump() -> None:
+            try:
+                async for item in source:
+                    send(item)
+            except Exception as exc:  # handed to the consumer, which re-raises it
+                send(exc)
+            else:
+                send(_END)
+
+        future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while (item := await queue.get()) is not _END:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            future.cancel()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)

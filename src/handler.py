@@ -1,0 +1,103 @@
+"""RunPod entry point: ``python src/handler.py``.
+
+Accepted job inputs (``job["input"]``):
+
+- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template",
+          "max_batch_size", "min_batch_size", "batch_size_growth_factor"}``
+- OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>}``
+
+Start-up (main process only; vLLM's spawned workers re-import this file as ``__mp_main__``):
+read and validate all configuration, build the engine, then hand ``handler`` to
+``runpod.serverless.start``, so jobs are taken only once the engine is ready. A configuration
+error exits with status 2 before the model loads; any other start-up failure with status 1.
+
+A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
+engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from errors import ConfigError, RequestError, create_error_response, error_from_exception, is_fatal
+from job_input import JobInput
+
+log = logging.getLogger("handler")
+
+# Set at start-up by main(); tests set them to engines they built.
+vllm_engine = None
+openai_engine = None
+
+# Seconds between a fatal engine error and the exit: time to report the failing jobs.
+FATAL_EXIT_DELAY = 2.0
+
+
+def _exit_soon(code: int) -> None:
+    timer = threading.Timer(FATAL_EXIT_DELAY, os._exit, args=(code,))
+    timer.daemon = True
+    timer.start()
+
+
+async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    try:
+        job_input = JobInput.from_job(job)
+    except RequestError as exc:
+        yield error_from_exception(exc)
+        return
+    engine = openai_engine if job_input.openai_route else vllm_engine
+    if engine is None:
+        yield create_error_response(f"route {job_input.openai_route!r} is not served by this worker")
+        return
+    try:
+        async for item in engine.generate(job_input):
+            yield item
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
+        if is_fatal(exc):
+            log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
+            _exit_soon(1)
+        else:
+            log.warning("Job %s failed: %s", job.get("id"), exc)
+        yield error_from_exception(exc)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    global vllm_engine
+    _configure_logging()
+    from dotenv import load_dotenv
+
+    load_dotenv()  # ./.env for local development; never overrides the real environment
+    import runpod  # here, not at the top: vLLM's spawned processes re-import this file
+
+    from engine import vLLMEngine
+    from settings import load_config
+
+    try:
+        config = load_config()
+    except ConfigError as exc:
+        log.error("Worker configuration error: %s", exc)
+        sys.exit(2)
+    try:
+        vllm_engine = vLLMEngine(config)
+    except Exception:
+        log.exception("Worker startup failed")
+        sys.exit(1)
+    log.info("Worker ready: taking up to %d concurrent jobs", config.settings.max_concurrency)
+    runpod.serverless.start({
+        "handler": handler,
+        "concurrency_modifier": lambda _current: config.settings.max_concurrency,
+        "return_aggregate_stream": True,
+    })
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""``JobInput``: one validated view of ``job["input"]``, for raw and OpenAI-route jobs.
+
+Raw jobs carry ``prompt`` or ``messages`` plus ``sampling_params`` and stream batching knobs;
+OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body). Unknown keys are
+ignored, as worker-vllm did. Plain data: no vLLM here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
+
+from errors import RequestError
+
+__all__ = ["JobInput"]
+
+
+class JobInput(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+    apply_chat_template: bool = False
+    max_batch_size: int | None = Field(None, ge=1)
+    min_batch_size: int | None = Field(None, ge=1)
+    batch_size_growth_factor: float | None = Field(None, ge=1, allow_inf_nan=False)
+    openai_route: str | None = None
+    openai_input: dict[str, Any] | None = None
+    # Not an input field: vLLM needs unique ids, so a client cannot choose one.
+    _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
+
+    @field_validator("max_batch_size", "min_batch_size", "batch_size_growth_factor", mode="before")
+    @classmethod
+    def _zero_means_default(cls, value: Any) -> Any:
+        return None if value == 0 else value
+
+    @model_validator(mode="after")
+    def _needs_input(self) -> JobInput:
+        if self.openai_route is None and self.prompt is None and self.messages is None:
+            raise ValueError("the job input needs 'prompt', 'messages' or 'openai_route'")
+        return self
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    @property
+    def llm_input(self) -> str | list[dict[str, Any]] | None:
+        """``messages`` when given (and not null), else ``prompt``."""
+        return self.messages if self.messages is not None else self.prompt
+
+    @classmethod
+    def from_job(cls, job: Any) -> JobInput:
+        """Validate a RunPod job; raises RequestError naming the offending field."""
+        payload = job.get("input") if isinstance(job, dict) else None
+        if not isinstance(payload, dict):
+            raise RequestError("the job's 'input' must be a JSON object", param="input")
+        try:
+            job_input = cls.model_validate(payload)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            prefix = f"{where}: " if where else ""
+            raise RequestError(f"{prefix}{err['msg']}", param=where or None) from None
+        if isinstance(job.get("id"), str):  # traceable in vLLM's logs, still unique
+            job_input._request_id = f"{job['id']}-{job_input._request_id[:8]}"
+        return job_input

@@ -1,0 +1,107 @@
+"""The settings layer: the only place (with ``engine_args``) that reads the environment.
+
+``load_config(env)`` reads everything once, at start-up, before the model loads:
+
+- ``WorkerSettings``: the worker's own knobs (concurrency, stream batching, OpenAI output mode),
+  typed and validated by pydantic;
+- ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``engine_args``).
+
+Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
+expected. Unknown variables close to a real name get a "did you mean" warning.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+
+from engine_args import ResolvedArgs, known_env_names, resolve_args
+from errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerConfig", "WorkerSettings", "load_config", "load_settings"]
+
+
+def _env(*names: str):
+    return AliasChoices(*names)
+
+
+class WorkerSettings(BaseModel):
+    """Worker knobs, from env vars named by each field's aliases (first alias wins)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    max_concurrency: int = Field(30, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
+    default_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
+    min_batch_size: int = Field(
+        1, ge=1, validation_alias=_env("MIN_BATCH_SIZE", "DEFAULT_MIN_BATCH_SIZE"))
+    batch_size_growth_factor: float = Field(
+        3.0, ge=1, allow_inf_nan=False,
+        validation_alias=_env("BATCH_SIZE_GROWTH_FACTOR", "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"))
+    raw_openai_output: bool = Field(True, validation_alias=_env("RAW_OPENAI_OUTPUT"))
+    openai_served_model_name_override: str | None = Field(
+        None, validation_alias=_env("OPENAI_SERVED_MODEL_NAME_OVERRIDE"))
+
+    @classmethod
+    def env_names(cls) -> frozenset[str]:
+        return frozenset(name for f in cls.model_fields.values()
+                         for name in f.validation_alias.choices)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
+    """WorkerSettings from ``env`` (default ``os.environ``); empty values mean "not set"."""
+    env = os.environ if env is None else env
+    given = {name: env[name].strip() for name in WorkerSettings.env_names()
+             if env.get(name, "").strip()}
+    try:
+        return WorkerSettings.model_validate(given)
+    except ValidationError as exc:
+        lines = [f"env {err['loc'][0]}={given.get(str(err['loc'][0]))!r}: {err['msg']}"
+                 for err in exc.errors()]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    settings: WorkerSettings
+    args: ResolvedArgs
+
+
+# Prefixes of variables that belong to other programs (no typo check against ours).
+_FOREIGN_PREFIXES = ("RUNPOD_", "VLLM_", "HF_", "HUGGINGFACE_", "NVIDIA_", "CUDA_", "PYTHON",
+                     "TORCH", "OMP_", "LC_", "UV_", "PIP_", "NCCL_", "TRANSFORMERS_")
+
+
+def _warn_near_misses(env: Mapping[str, str], known: frozenset[str]) -> None:
+    for name in env:
+        if name in known or "_" not in name or name.startswith(_FOREIGN_PREFIXES):
+            continue
+        if match := difflib.get_close_matches(name, known, n=1, cutoff=0.85):
+            log.warning("Unknown setting %s is ignored; did you mean %s?", name, match[0])
+
+
+def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Read and validate all configuration; raises ConfigError listing every problem."""
+    env = os.environ if env is None else env
+    _warn_near_misses(env, known_env_names() | WorkerSettings.env_names())
+    problems: list[str] = []
+    settings = args = None
+    try:
+        settings = load_settings(env)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    try:
+        args = resolve_args(env)
+    except ConfigError as exc:
+        problems.append(str(exc))
+    if problems:
+        raise ConfigError("\n".join(problems))
+    log.info("Engine config: %s", args.summary())
+    log.info("Worker settings: %s", settings.model_dump())
+    return WorkerConfig(settings, args)

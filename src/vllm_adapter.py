@@ -1,0 +1,74 @@
+"""The one module that imports vLLM (and torch): a vLLM upgrade should touch this file only.
+
+Everything here is vLLM 0.32's own API, re-exported under stable names, plus the few helpers
+whose shape depends on vLLM's internals (the CLI parser, sampling-parameter validation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+
+import msgspec
+import torch
+from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+from vllm.engine.arg_utils import EngineArgs
+from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMValidationError
+from vllm.outputs import RequestOutput
+from vllm.renderers.chat_utils import load_chat_template
+from vllm.sampling_params import RequestOutputKind
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+__all__ = [
+    "AsyncEngineArgs", "AsyncLLM", "EngineArgs", "EngineDeadError", "FATAL_ERRORS",
+    "NOT_FOUND_ERRORS", "REQUEST_ERRORS", "arg_annotations", "RequestOutput", "RequestOutputKind",
+    "SAMPLING_FIELDS", "SamplingParams", "TokensPrompt", "build_arg_parser",
+    "engine_arg_dests", "load_chat_template", "make_sampling_params",
+]
+
+# Errors after which the engine cannot serve again: the worker must be replaced.
+FATAL_ERRORS: tuple[type[BaseException], ...] = (EngineDeadError, torch.AcceleratorError)
+# Errors caused by the request (HTTP 4xx).
+NOT_FOUND_ERRORS = (VLLMNotFoundError,)
+REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError, msgspec.ValidationError)
+
+# SamplingParams fields a job may set: the public ones, less those the worker controls.
+_WORKER_CONTROLLED = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})
+SAMPLING_FIELDS = frozenset(
+    name for name in SamplingParams.__struct_fields__
+    if not name.startswith("_") and name not in _WORKER_CONTROLLED
+)
+
+
+class _RaisingParser(FlexibleArgumentParser):
+    """vLLM's parser, raising instead of printing usage and exiting."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise argparse.ArgumentError(None, message)
+
+
+def build_arg_parser() -> FlexibleArgumentParser:
+    """`vllm serve`'s full parser: every engine flag plus the OpenAI front-end flags."""
+    return make_arg_parser(_RaisingParser(prog="worker"))
+
+
+def engine_arg_dests() -> frozenset[str]:
+    """Destinations of the engine flags (AsyncEngineArgs), without the front-end ones."""
+    parser = AsyncEngineArgs.add_cli_args(_RaisingParser(prog="engine"))
+    return frozenset(a.dest for a in parser._actions if a.dest != "help")
+
+
+def arg_annotations() -> dict[str, str]:
+    """Each flag's declared type, as text (``int | None``), for error messages."""
+    fields = (*dataclasses.fields(AsyncEngineArgs), *dataclasses.fields(FrontendArgs))
+    return {f.name: re.sub(r"\b[\w.]+\.(\w+)", r"\1", getattr(f.type, "__name__", None)
+                           if isinstance(f.type, type) else str(f.type)) for f in fields}
+
+
+def make_sampling_params(fields: dict, output_kind: RequestOutputKind) -> SamplingParams:
+    """Typed, validated SamplingParams from JSON (msgspec checks types, vLLM the ranges)."""
+    return msgspec.convert({**fields, "output_kind": output_kind.value}, SamplingParams)

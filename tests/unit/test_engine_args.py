@@ -1,0 +1,323 @@
+"""Configuration layers, env coercion and start-up errors (vLLM's real parser, no engine)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from engine_args import WORKER_DEFAULTS, resolve_args
+from errors import ConfigError
+from settings import load_config, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _hub_lookups_off(monkeypatch):
+    """These tests use made-up model ids: skip vLLM's offline id→cache-path rewrite."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+@pytest.fixture
+def files(tmp_path):
+    """Paths for a YAML config and a baked-args file (absent until written)."""
+
+    class Files:
+        config = tmp_path / "vllm_config.yaml"
+        baked = tmp_path / "local_model_args.json"
+
+        def env(self, **env: str) -> dict[str, str]:
+            return {"VLLM_CONFIG_FILE": str(self.config),
+                    "LOCAL_MODEL_ARGS_FILE": str(self.baked), **env}
+
+        def write_yaml(self, text: str) -> None:
+            self.config.write_text(text)
+
+        def write_baked(self, **values) -> None:
+            self.baked.write_text(json.dumps(values))
+
+    return Files()
+
+
+def resolve(files, **env):
+    return resolve_args(files.env(**env))
+
+
+# --- precedence: one test per adjacent pair, highest first -----------------------------------
+
+def test_alias_beats_env_field(files):
+    assert resolve(files, MODEL_NAME="alias/model", MODEL="field/model").engine_args.model == "alias/model"
+
+
+def test_env_beats_config_file(files):
+    files.write_yaml("model: m\nmax-model-len: 1024\n")
+    assert resolve(files, MAX_MODEL_LEN="512").engine_args.max_model_len == 512
+    assert resolve(files).engine_args.max_model_len == 1024
+
+
+def test_config_file_beats_baked_args(files):
+    files.write_baked(MODEL_NAME="/baked/model", MAX_NUM_SEQS=8)
+    files.write_yaml("max_num_seqs: 16\n")
+    args = resolve(files).engine_args
+    assert (args.model, args.max_num_seqs) == ("/baked/model", 16)
+
+
+def test_baked_args_beat_worker_defaults(files):
+    files.write_baked(MODEL_NAME="/baked/model", GPU_MEMORY_UTILIZATION=0.5)
+    assert resolve(files).engine_args.gpu_memory_utilization == 0.5
+
+
+def test_worker_defaults_beat_vllm_defaults(files):
+    args = resolve(files, MODEL_NAME="m").engine_args
+    assert args.gpu_memory_utilization == WORKER_DEFAULTS["gpu_memory_utilization"] != 0.92
+    assert args.max_num_seqs == WORKER_DEFAULTS["max_num_seqs"]
+
+
+def test_vllm_defaults_fill_the_rest(files):
+    args = resolve(files, MODEL_NAME="m").engine_args
+    assert (args.max_logprobs, args.enforce_eager, args.tensor_parallel_size) == (20, False, 1)
+
+
+def test_sources_are_recorded(files):
+    files.write_yaml("max-model-len: 1024\n")
+    settings = resolve(files, MODEL_NAME="m").settings
+    assert settings["model"].source == "env MODEL_NAME"
+    assert settings["max_model_len"].source == "config file vllm_config.yaml max-model-len"
+    assert settings["gpu_memory_utilization"].source == "worker default"
+
+
+# --- baked images ------------------------------------------------------------------------------
+
+def test_baked_model_served_when_env_names_its_repo(files):
+    files.write_baked(MODEL_NAME="/models/snap", TOKENIZER_NAME="/models/tok",
+                      BAKED_MODEL_NAME="org/model", BAKED_TOKENIZER_NAME="org/tok")
+    resolved = resolve(files, MODEL_NAME="org/model", TOKENIZER_NAME="org/tok")
+    args = resolved.engine_args
+    assert (args.model, args.tokenizer) == ("/models/snap", "/models/tok")
+    assert args.served_model_name == ["org/model"]
+    assert resolved.baked_model == "org/model"
+
+
+def test_env_can_replace_the_baked_model(files):
+    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model")
+    resolved = resolve(files, MODEL_NAME="other/model")
+    assert resolved.engine_args.model == "other/model"
+    assert resolved.baked_model is None and resolved.engine_args.served_model_name is None
+
+
+def test_explicit_served_name_wins_over_baked_repo_id(files):
+    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model")
+    assert resolve(files, SERVED_MODEL_NAME="mine").engine_args.served_model_name == ["mine"]
+
+
+# --- env string coercion, by the type vLLM declares ----------------------------------------
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("true", True), ("1", True), ("YES", True), ("on", True),
+    ("false", False), ("0", False), ("No", False), ("off", False),
+])
+def test_booleans(files, text, expected):
+    args = resolve(files, MODEL_NAME="m", ENFORCE_EAGER=text, TRUST_REMOTE_CODE=text).engine_args
+    assert args.enforce_eager is expected and args.trust_remote_code is expected
+
+
+def test_store_true_flag(files):
+    assert resolve(files, MODEL_NAME="m", DISABLE_LOG_STATS="true").engine_args.disable_log_stats
+    assert not resolve(files, MODEL_NAME="m", DISABLE_LOG_STATS="0").engine_args.disable_log_stats
+
+
+def test_numbers(files):
+    args = resolve(files, MODEL_NAME="m", MAX_NUM_SEQS="7", GPU_MEMORY_UTILIZATION="0.5",
+                   MAX_MODEL_LEN="4k", KV_CACHE_MEMORY_BYTES="256m").engine_args
+    assert (args.max_num_seqs, args.gpu_memory_utilization) == (7, 0.5)
+    assert (args.max_model_len, args.kv_cache_memory_bytes) == (4000, 256_000_000)
+
+
+def test_json_dicts(files):
+    args = resolve(files, MODEL_NAME="m", HF_OVERRIDES='{"rope_theta": 5}',
+                   SPECULATIVE_CONFIG='{"method": "ngram", "num_speculative_tokens": 2}',
+                   COMPILATION_CONFIG='{"cudagraph_mode": "PIECEWISE"}').engine_args
+    assert args.hf_overrides == {"rope_theta": 5}
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 2}
+    assert str(args.compilation_config.cudagraph_mode).endswith("PIECEWISE")
+
+
+@pytest.mark.parametrize("text", ["a,b", '["a", "b"]', " a , b "])
+def test_lists(files, text):
+    assert resolve(files, MODEL_NAME="m", SERVED_MODEL_NAME=text).engine_args.served_model_name == ["a", "b"]
+
+
+def test_choices_and_optional(files):
+    args = resolve(files, MODEL_NAME="m", DTYPE="bfloat16", KV_CACHE_DTYPE="fp8_e5m2",
+                   REVISION="None", QUANTIZATION="fp8").engine_args
+    assert (args.dtype, args.kv_cache_dtype) == ("bfloat16", "fp8_e5m2")
+    assert args.revision is None and args.quantization == "fp8"
+
+
+def test_empty_value_means_unset(files):
+    args = resolve(files, MODEL_NAME="m", MAX_MODEL_LEN="", DTYPE="  ").engine_args
+    assert args.max_model_len is None and args.dtype == "auto"
+
+
+def test_frontend_flags_and_aliases(files):
+    ns = resolve(files, MODEL_NAME="m", ENABLE_AUTO_TOOL_CHOICE="true", TOOL_CALL_PARSER="hermes",
+                 OPENAI_RESPONSE_ROLE="bot", CUSTOM_CHAT_TEMPLATE="{{ messages }}",
+                 RETURN_TOKENS_AS_TOKEN_IDS="1").namespace
+    assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.response_role) == (True, "hermes", "bot")
+    assert ns.chat_template == "{{ messages }}" and ns.return_tokens_as_token_ids is True
+
+
+def test_server_flags_are_not_read_from_env(files):
+    ns = resolve(files, MODEL_NAME="m", PORT="1", HOST="evil", API_KEY="k").namespace
+    assert (ns.port, ns.host, ns.api_key) == (8000, None, None)
+
+
+@pytest.mark.parametrize("text", ['[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}]',
+                                  '{"name": "a", "path": "/a"}'])
+def test_lora_modules_list_or_object(files, text):
+    modules = resolve(files, MODEL_NAME="m", LORA_MODULES=text).namespace.lora_modules
+    assert [m.name for m in modules] == ["a", "b"][:len(modules)] and modules[0].path == "/a"
+
+
+# --- special inputs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text", ["image=2,video=1", '{"image": 2, "video": 1}'])
+def test_limit_mm_per_prompt(files, text):
+    limits = resolve(files, MODEL_NAME="m", LIMIT_MM_PER_PROMPT=text).engine_args.limit_mm_per_prompt
+    assert limits == {"image": 2, "video": 1}
+
+
+def test_speculative_vars_build_a_config(files):
+    args = resolve(files, MODEL_NAME="m", SPECULATIVE_MODEL="org/eagle3-draft",
+                   NUM_SPECULATIVE_TOKENS="3", SPECULATIVE_ENFORCE_EAGER="true").engine_args
+    assert args.speculative_config == {"model": "org/eagle3-draft", "num_speculative_tokens": 3,
+                                       "enforce_eager": True}
+
+
+def test_speculative_config_beats_the_vars(files, caplog):
+    args = resolve(files, MODEL_NAME="m", SPECULATIVE_CONFIG='{"method": "ngram"}',
+                   NGRAM_PROMPT_LOOKUP_MAX="4").engine_args
+    assert args.speculative_config == {"method": "ngram"}
+    assert "SPECULATIVE_* variables are ignored" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["MAX_MODEL_LEN", "MAX_NUM_BATCHED_TOKENS"])
+def test_zero_means_unset(files, name):
+    args = resolve(files, MODEL_NAME="m", **{name: "0"}).engine_args
+    assert getattr(args, name.lower()) is None
+
+
+def test_deprecated_names_are_mapped_with_a_warning(files, caplog):
+    args = resolve(files, MODEL_NAME="m", DISABLE_LOG_REQUESTS="false",
+                   VLLM_ATTENTION_BACKEND="CPU_ATTN").engine_args
+    assert args.enable_log_requests is True and args.attention_backend == "CPU_ATTN"
+    assert "DISABLE_LOG_REQUESTS is deprecated" in caplog.text
+
+
+def test_removed_knobs_warn_and_are_ignored(files, caplog):
+    args = resolve(files, MODEL_NAME="m", SWAP_SPACE="4", MAX_CONTEXT_LEN_TO_CAPTURE="8192",
+                   WORKER_USE_RAY="true").engine_args
+    assert args.model == "m"
+    for name in ("SWAP_SPACE", "MAX_CONTEXT_LEN_TO_CAPTURE", "WORKER_USE_RAY"):
+        assert f"{name} is not supported" in caplog.text
+
+
+def test_yaml_keys_like_vllm_serve_config(files, caplog):
+    files.write_yaml("model: m\nenforce-eager: true\nspeculative_config:\n  method: ngram\n"
+                     "served-model-name: [x, y]\nvllm-release: 0.32\n")
+    args = resolve(files).engine_args
+    assert args.enforce_eager and args.speculative_config == {"method": "ngram"}
+    assert args.served_model_name == ["x", "y"]
+    assert "unknown key 'vllm-release'" in caplog.text
+
+
+# --- errors before the model loads ---------------------------------------------------------
+
+@pytest.mark.parametrize(("env", "fragments"), [
+    ({"MAX_MODEL_LEN": "abc"}, ["MAX_MODEL_LEN='abc'", "expected int"]),
+    ({"MAX_NUM_SEQS": "1.5"}, ["MAX_NUM_SEQS='1.5'", "expected int"]),
+    ({"GPU_MEMORY_UTILIZATION": "lots"}, ["GPU_MEMORY_UTILIZATION='lots'", "float"]),
+    ({"ENFORCE_EAGER": "maybe"}, ["ENFORCE_EAGER='maybe'", "expected a boolean"]),
+    ({"DTYPE": "float64"}, ["DTYPE='float64'", "expected one of auto, bfloat16"]),
+    ({"SPECULATIVE_CONFIG": "{not json"}, ["SPECULATIVE_CONFIG='{not json'", "expected JSON"]),
+    ({"COMPILATION_CONFIG": "{bad"}, ["COMPILATION_CONFIG", "expected JSON"]),
+    ({"LIMIT_MM_PER_PROMPT": "image"}, ["LIMIT_MM_PER_PROMPT", "modality=count"]),
+    ({"LORA_MODULES": '{"name": "a"}'}, ["LORA_MODULES", "path"]),
+    ({"LORA_MODULES": "[{"}, ["LORA_MODULES", "not valid JSON"]),
+    ({"NUM_SPECULATIVE_TOKENS": "three", "SPECULATIVE_MODEL": "x"}, ["NUM_SPECULATIVE_TOKENS='three'"]),
+    ({"MAX_CONCURRENCY": "many"}, ["MAX_CONCURRENCY='many'", "valid integer"]),
+    ({"MIN_BATCH_SIZE": "0"}, ["MIN_BATCH_SIZE='0'", "greater than or equal to 1"]),
+    ({"RAW_OPENAI_OUTPUT": "sometimes"}, ["RAW_OPENAI_OUTPUT='sometimes'", "valid boolean"]),
+])
+def test_bad_values_name_variable_value_and_expectation(files, env, fragments):
+    with pytest.raises(ConfigError) as raised:
+        load_config(files.env(MODEL_NAME="m", **env))
+    for fragment in fragments:
+        assert fragment in str(raised.value)
+
+
+def test_all_problems_reported_at_once(files):
+    with pytest.raises(ConfigError) as raised:
+        load_config(files.env(MODEL_NAME="m", MAX_MODEL_LEN="x", DTYPE="y", MAX_CONCURRENCY="z"))
+    assert all(n in str(raised.value) for n in ("MAX_MODEL_LEN", "DTYPE", "MAX_CONCURRENCY"))
+
+
+def test_missing_model_is_an_error(files):
+    with pytest.raises(ConfigError, match="no model configured: set MODEL_NAME"):
+        resolve(files)
+
+
+@pytest.mark.parametrize(("content", "fragment"), [("model: [unclosed", "not valid YAML"),
+                                                   ("- a\n- b\n", "expected a mapping")])
+def test_bad_config_file(files, content, fragment):
+    files.write_yaml(content)
+    with pytest.raises(ConfigError, match=fragment):
+        resolve(files, MODEL_NAME="m")
+
+
+def test_bad_baked_file(files):
+    files.baked.write_text("{oops")
+    with pytest.raises(ConfigError, match="baked args .* not valid JSON"):
+        resolve(files, MODEL_NAME="m")
+
+
+# --- warnings and secrets ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("typo", "real"), [("MAX_MODEL_LENGTH", "MAX_MODEL_LEN"),
+                                            ("MAX_CONCURENCY", "MAX_CONCURRENCY"),
+                                            ("ENFORCE_EAGR", "ENFORCE_EAGER")])
+def test_near_miss_names_get_a_suggestion(files, caplog, typo, real):
+    load_config(files.env(MODEL_NAME="m", **{typo: "1"}))
+    assert f"Unknown setting {typo} is ignored; did you mean {real}?" in caplog.text
+
+
+def test_unrelated_names_get_no_suggestion(files, caplog):
+    load_config(files.env(MODEL_NAME="m", PATH="/bin", RUNPOD_POD_ID="x", MY_APP_MODE="y"))
+    assert "did you mean" not in caplog.text
+
+
+def test_secrets_never_logged(files, caplog):
+    caplog.set_level(logging.DEBUG)
+    files.write_yaml("hf-token: hf_yamlsecret\n")
+    config = load_config(files.env(MODEL_NAME="m", HF_TOKEN="hf_envsecret"))
+    assert config.args.engine_args.hf_token == "hf_yamlsecret"  # from the file only
+    assert "hf_yamlsecret" not in config.args.summary() and "***" in config.args.summary()
+    assert "secret" not in caplog.text
+
+
+# --- worker settings ------------------------------------------------------------------------
+
+def test_worker_settings_defaults():
+    s = load_settings({})
+    assert (s.max_concurrency, s.default_batch_size, s.min_batch_size, s.batch_size_growth_factor,
+            s.raw_openai_output, s.openai_served_model_name_override) == (30, 50, 1, 3.0, True, None)
+
+
+def test_worker_settings_documented_spellings():
+    s = load_settings({"DEFAULT_MIN_BATCH_SIZE": "2", "DEFAULT_BATCH_SIZE_GROWTH_FACTOR": "1.5",
+                       "RAW_OPENAI_OUTPUT": "0", "MAX_CONCURRENCY": "8"})
+    assert (s.min_batch_size, s.batch_size_growth_factor, s.raw_openai_output, s.max_concurrency) == (
+        2, 1.5, False, 8)
+    assert load_settings({"MIN_BATCH_SIZE": "3", "DEFAULT_MIN_BATCH_SIZE": "2"}).min_batch_size == 3

@@ -1,0 +1,70 @@
+"""handler(): error classification with stand-in engines (the real engine is in tests/engine)."""
+
+import asyncio
+
+import pytest
+
+import handler
+from errors import is_fatal
+from tokenizer import NO_TEMPLATE, TokenizerWrapper
+from errors import RequestError
+from vllm_adapter import EngineDeadError
+
+
+class FailingEngine:
+    def __init__(self, exc):
+        self.exc = exc
+
+    async def generate(self, job_input):
+        yield {"choices": [{"tokens": ["partial"]}], "usage": {"input": 1, "output": 1}}
+        raise self.exc
+
+
+def run(job, engine, monkeypatch):
+    monkeypatch.setattr(handler, "vllm_engine", engine)
+
+    async def collect():
+        return [item async for item in handler.handler(job)]
+
+    return asyncio.run(collect())
+
+
+def test_dead_engine_reports_the_job_then_exits_nonzero(monkeypatch):
+    exits = []
+    monkeypatch.setattr(handler, "_exit_soon", exits.append)
+    items = run({"id": "j", "input": {"prompt": "x"}}, FailingEngine(EngineDeadError()), monkeypatch)
+    assert items[1]["error"]["code"] == 500 and "EngineCore" in items[1]["error"]["message"]
+    assert exits == [1]
+
+
+@pytest.mark.parametrize(("exc", "code"), [(RuntimeError("odd"), 500), (ValueError("bad"), 400)])
+def test_other_errors_keep_the_worker(monkeypatch, exc, code):
+    exits = []
+    monkeypatch.setattr(handler, "_exit_soon", exits.append)
+    items = run({"id": "j", "input": {"prompt": "x"}}, FailingEngine(exc), monkeypatch)
+    assert [i.get("error", {}).get("code") for i in items] == [None, code] and exits == []
+    assert not is_fatal(exc)
+
+
+def test_openai_route_without_openai_engine(monkeypatch):
+    monkeypatch.setattr(handler, "openai_engine", None)
+    items = run({"id": "j", "input": {"openai_route": "/v1/models"}}, None, monkeypatch)
+    assert items[0]["error"]["code"] == 400 and "/v1/models" in items[0]["error"]["message"]
+
+
+class PlainTokenizer:
+    chat_template = None
+
+    def apply_chat_template(self, messages, chat_template=None, **_):
+        return chat_template.replace("{{ content }}", messages[-1]["content"])
+
+
+def test_missing_chat_template_is_a_clear_error():
+    with pytest.raises(RequestError, match="Chat template does not exist") as raised:
+        TokenizerWrapper(PlainTokenizer()).apply_chat_template([{"role": "user", "content": "x"}])
+    assert str(raised.value) == NO_TEMPLATE
+
+
+def test_custom_chat_template_is_used_and_strings_become_user_messages():
+    wrapper = TokenizerWrapper(PlainTokenizer(), "<u>{{ content }}</u>")
+    assert wrapper.has_chat_template and wrapper.apply_chat_template("hi") == "<u>hi</u>"
