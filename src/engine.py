@@ -33,7 +33,7 @@ __all__ = ["vLLMEngine"]
 
 def _logprobs(completion: Any) -> list[dict[str, Any]]:
     entries = []
-    for token_id, top in zip(completion.token_ids, completion.logprobs or ()):
+    for token_id, top in zip(completion.token_ids, completion.logprobs or (), strict=False):
         chosen = top.get(token_id)
         entries.append({
             "token": chosen.decoded_token if chosen else None,
@@ -55,12 +55,19 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         started = time.perf_counter()
         self.llm: AsyncLLM = self.loop.run(self._start())
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
+        self.loop.run(self._warm_up())
         template = load_chat_template(self.config.args.namespace.chat_template)
         self.tokenizer = TokenizerWrapper(self.llm.get_tokenizer(), template)
 
     async def _start(self) -> AsyncLLM:
         # Built inside the private loop, which its output handler then belongs to.
         return AsyncLLM.from_engine_args(self.engine_args)
+
+    async def _warm_up(self) -> None:
+        """One token through the whole path, so the first job pays no first-use costs."""
+        params = build_sampling_params({"max_tokens": 1}, stream=False)
+        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+            pass
 
     @property
     def max_concurrency(self) -> int:

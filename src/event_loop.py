@@ -10,6 +10,7 @@ is taken, and any caller's loop can stream from it. Only finished batches cross 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
@@ -41,10 +42,9 @@ class BackgroundLoop:
         queue: asyncio.Queue = asyncio.Queue()
 
         def send(item: object) -> None:
-            try:
+            # RuntimeError: the consumer's loop is gone, and nobody is listening.
+            with contextlib.suppress(RuntimeError):
                 caller.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is gone; nobody is listening
-                pass
 
         async def pump() -> None:
             try:

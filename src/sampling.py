@@ -14,8 +14,13 @@ from typing import Any
 import msgspec
 
 from errors import RequestError
-from vllm_adapter import (REQUEST_ERRORS, SAMPLING_FIELDS, RequestOutputKind, SamplingParams,
-                          make_sampling_params)
+from vllm_adapter import (
+    REQUEST_ERRORS,
+    SAMPLING_FIELDS,
+    RequestOutputKind,
+    SamplingParams,
+    make_sampling_params,
+)
 
 __all__ = ["DEFAULT_MAX_TOKENS", "build_sampling_params"]
 

@@ -15,7 +15,7 @@ import torch
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
-from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMValidationError
+from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput
 from vllm.renderers.chat_utils import load_chat_template
 from vllm.sampling_params import RequestOutputKind

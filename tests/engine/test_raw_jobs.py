@@ -20,7 +20,7 @@ def texts(items: list[dict]) -> list[str]:
 
 def batch_sizes(items: list[dict]) -> list[int]:
     outputs = [0] + [i["usage"]["output"] for i in items]
-    return [b - a for a, b in zip(outputs, outputs[1:])]
+    return [b - a for a, b in zip(outputs, outputs[1:], strict=False)]
 
 
 def assert_schedule(items: list[dict], size: BatchSize, total: int) -> None:
@@ -84,7 +84,7 @@ def test_stream_batches_grow_with_worker_defaults(tiny_engine, run_job):
     items = run_job(tiny_engine, long_job())
     assert_schedule(items, BatchSize(50, 1, 3), 60)  # ideally 1, 3, 9, 27, 20
     assert items[-1]["usage"] == {"input": items[0]["usage"]["input"], "output": 60}
-    assert all(len(i["choices"][0]["tokens"]) <= s for i, s in zip(items, batch_sizes(items)))
+    assert all(len(i["choices"][0]["tokens"]) <= s for i, s in zip(items, batch_sizes(items), strict=True))
 
 
 def test_stream_batches_follow_per_job_overrides(tiny_engine, run_job):
@@ -129,7 +129,8 @@ def test_stop_and_seed(tiny_engine, run_job):
     assert texts(run_job(tiny_engine, job)) == texts(run_job(tiny_engine, job))
     first = texts(run_job(tiny_engine, job))[0]
     stop = first[len(first) // 2:][:2]
-    stopped = texts(run_job(tiny_engine, {**job, "sampling_params": {**job["sampling_params"], "stop": [stop]}}))
+    with_stop = {**job, "sampling_params": {**job["sampling_params"], "stop": [stop]}}
+    stopped = texts(run_job(tiny_engine, with_stop))
     assert stop not in stopped[0] and first.startswith(stopped[0])
 
 

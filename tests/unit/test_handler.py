@@ -5,9 +5,8 @@ import asyncio
 import pytest
 
 import handler
-from errors import is_fatal
+from errors import RequestError, is_fatal
 from tokenizer import NO_TEMPLATE, TokenizerWrapper
-from errors import RequestError
 from vllm_adapter import EngineDeadError
 
 

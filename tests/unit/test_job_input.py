@@ -14,7 +14,8 @@ def parse(payload, job_id="job-1"):
 
 def test_defaults_and_llm_input():
     job = parse({"prompt": "hi"})
-    assert (job.llm_input, job.stream, job.apply_chat_template, job.sampling_params) == ("hi", False, False, {})
+    assert (job.llm_input, job.stream, job.apply_chat_template) == ("hi", False, False)
+    assert job.sampling_params == {}
     assert job.max_batch_size is None and job.openai_route is None
     assert job.request_id.startswith("job-1-")
 

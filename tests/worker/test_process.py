@@ -12,7 +12,6 @@ import time
 import urllib.request
 
 import pytest
-
 from conftest import CPU_ENV, REPO, engine_env
 
 HANDLER = str(REPO / "src" / "handler.py")
@@ -41,7 +40,8 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 ])
 def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, HANDLER], env=worker_env(**engine_env(models["tiny-llama"], **env)),
+    proc = subprocess.run([sys.executable, HANDLER],
+                          env=worker_env(**engine_env(models["tiny-llama"], **env)),
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output
