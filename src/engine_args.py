@@ -141,7 +141,10 @@ class Setting:
 
     @property
     def shown(self) -> str:
-        return "***" if _SECRET.search(self.dest) else repr(self.value)
+        if _SECRET.search(self.dest):
+            return "***"
+        text = repr(self.value)
+        return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass
@@ -229,27 +232,27 @@ def known_env_names() -> frozenset[str]:
                      | {"VLLM_CONFIG_FILE", "LOCAL_MODEL_ARGS_FILE"})
 
 
-def _settings(parser: _Parser, items: Iterator[tuple[str, Any]], source: str,
-              errors: list[str], *, from_text: bool) -> dict[str, Setting]:
-    """Turn (name, value) pairs into Settings; names must already be dests."""
-    out: dict[str, Setting] = {}
-    for dest, value in items:
-        try:
-            tokens = (parser.tokens_from_text(dest, value) if from_text
-                      else parser.tokens_from_value(dest, value))
-        except ValueError as exc:
-            errors.append(f"{source}={value!r}: {exc}; expected {parser.expected(dest)}")
-            continue
-        out[dest] = Setting(dest, tokens, source, value)
-    return out
+def _add(out: dict[str, Setting], parser: _Parser, dest: str, value: Any, source: str,
+         errors: list[str]) -> None:
+    """Add the Setting for ``value`` (env text, or a typed YAML/JSON value) to ``out``."""
+    try:
+        tokens = (parser.tokens_from_text(dest, value) if isinstance(value, str)
+                  else parser.tokens_from_value(dest, value))
+    except ValueError as exc:
+        errors.append(f"{source}={value!r}: {exc}; expected {parser.expected(dest)}")
+        return
+    out[dest] = Setting(dest, tokens, source, value)
 
 
 def _worker_defaults_layer(parser: _Parser, errors: list[str]) -> dict[str, Setting]:
-    items = ((d, v) for d, v in WORKER_DEFAULTS.items() if d in parser.actions)
-    return _settings(parser, items, "worker default", errors, from_text=False)
+    out: dict[str, Setting] = {}
+    for dest, value in WORKER_DEFAULTS.items():
+        if dest in parser.actions:
+            _add(out, parser, dest, value, "worker default", errors)
+    return out
 
 
-def _baked_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[str, Setting]:
+def _read_baked(path: Path, errors: list[str]) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
@@ -257,13 +260,20 @@ def _baked_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[str, Se
     except (OSError, ValueError) as exc:
         errors.append(f"baked args {path}: not valid JSON ({exc})")
         return {}
+    if not isinstance(baked, dict):
+        errors.append(f"baked args {path}: expected a JSON object")
+        return {}
+    return baked
+
+
+def _baked_layer(parser: _Parser, baked: dict[str, Any], path: Path,
+                 errors: list[str]) -> dict[str, Setting]:
     out: dict[str, Setting] = {}
     for name, value in baked.items():
         dest = parser.dest_for_env(name)
         if dest is None or value in (None, ""):
             continue
-        out |= _settings(parser, iter([(dest, value)]), f"baked {path.name} {name}", errors,
-                         from_text=False)
+        _add(out, parser, dest, value, f"baked {path.name} {name}", errors)
     return out
 
 
@@ -285,8 +295,7 @@ def _config_file_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[s
             log.warning("Config file %s: unknown key %r ignored", path, key)
             continue
         if value is not None:
-            out |= _settings(parser, iter([(dest, value)]), f"config file {path.name} {key}",
-                             errors, from_text=False)
+            _add(out, parser, dest, value, f"config file {path.name} {key}", errors)
     return out
 
 
@@ -352,7 +361,7 @@ def _env_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> di
     out: dict[str, Setting] = {}
     for name, text in texts.items():
         if (dest := parser.dest_for_env(name)) is not None:
-            out |= _settings(parser, iter([(dest, text)]), f"env {name}", errors, from_text=True)
+            _add(out, parser, dest, text, f"env {name}", errors)
     return out
 
 
@@ -373,19 +382,16 @@ def _alias_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> 
             except ValueError as exc:
                 errors.append(f"env LORA_MODULES: not valid JSON ({exc})")
                 continue
-        out |= _settings(parser, iter([(dest, text)]), f"env {name}", errors, from_text=True)
+        _add(out, parser, dest, text, f"env {name}", errors)
     return out
 
 
 def _use_baked_copies(merged: dict[str, Setting], baked: dict[str, Setting],
-                      baked_file: Path) -> str | None:
+                      sources: dict[str, Any]) -> str | None:
     """Serve the image's local copy when a higher layer names the repo that was baked.
 
     Returns the baked model's repo id when the baked model is served.
     """
-    if not baked:
-        return None
-    sources = json.loads(baked_file.read_text())
     for dest, key in BAKED_SOURCE_KEYS.items():
         repo = sources.get(key)
         if repo and dest in baked and merged.get(dest) and merged[dest].value == repo:
@@ -420,13 +426,14 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
         env.get("LOCAL_MODEL_ARGS_FILE") or "/local_model_args.json")
     parser = _parser()
     errors: list[str] = []
-    baked = _baked_layer(parser, baked_args_file, errors)
+    baked_file = _read_baked(baked_args_file, errors)
+    baked = _baked_layer(parser, baked_file, baked_args_file, errors)
     merged: dict[str, Setting] = {}
     for layer in (_worker_defaults_layer(parser, errors), baked,
                   _config_file_layer(parser, config_file, errors),
                   _env_layer(parser, env, errors), _alias_layer(parser, env, errors)):
         merged |= layer
-    baked_model = _use_baked_copies(merged, baked, baked_args_file)
+    baked_model = _use_baked_copies(merged, baked, baked_file)
     if baked_model and "served_model_name" not in merged:
         merged["served_model_name"] = Setting(
             "served_model_name", ("--served-model-name", baked_model), "baked model id",

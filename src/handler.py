@@ -51,7 +51,8 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         return
     engine = openai_engine if job_input.openai_route else vllm_engine
     if engine is None:
-        yield create_error_response(f"route {job_input.openai_route!r} is not served by this worker")
+        what = f"route {job_input.openai_route!r}" if job_input.openai_route else "raw jobs"
+        yield create_error_response(f"this worker does not serve {what}")
         return
     try:
         async for item in engine.generate(job_input):
