@@ -24,7 +24,7 @@ from job_input import JobInput
 from sampling import build_sampling_params
 from settings import WorkerConfig, load_config
 from tokenizer import TokenizerWrapper
-from vllm_adapter import AsyncLLM, RequestOutput, TokensPrompt, load_chat_template
+from vllm_adapter import AsyncLLM, RequestOutput, TokensPrompt, load_chat_template, start_engine
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
 
     async def _start(self) -> AsyncLLM:
         # Built inside the private loop, which its output handler then belongs to.
-        return AsyncLLM.from_engine_args(self.engine_args)
+        return start_engine(self.engine_args)
 
     async def _warm_up(self) -> None:
         """A short request through the whole path, so the first job pays no first-use costs.

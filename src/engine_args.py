@@ -35,7 +35,13 @@ from typing import Any
 import yaml
 
 from errors import ConfigError
-from vllm_adapter import AsyncEngineArgs, arg_annotations, build_arg_parser, engine_arg_dests
+from vllm_adapter import (
+    AsyncEngineArgs,
+    arg_annotations,
+    build_arg_parser,
+    engine_arg_dests,
+    validate_frontend_args,
+)
 
 log = logging.getLogger(__name__)
 
@@ -441,8 +447,13 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     if "model" not in merged:
         errors.append("no model configured: set MODEL_NAME (or `model` in the config file)")
     namespace = _parse(parser, merged, errors)
+    if not errors:  # front-end checks assume each value parsed
+        errors += validate_frontend_args(namespace)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    if namespace.lora_modules and namespace.enable_lora is None:
+        log.info("LORA_MODULES is set: enabling LoRA (set ENABLE_LORA=false to refuse adapters)")
+        namespace.enable_lora = True
     return ResolvedArgs(namespace, AsyncEngineArgs.from_cli_args(namespace), merged, baked_model)
 
 

@@ -70,6 +70,18 @@ def create_error_response(message: str, err_type: str | None = None,
     })
 
 
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> ErrorPayload:
+    """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``."""
+    return ErrorPayload(type="error", error={
+        "type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message})
+
+
 def is_fatal(exc: BaseException) -> bool:
     """True when the engine cannot serve again and the process must be replaced."""
     return isinstance(exc, FATAL_ERRORS)

@@ -72,7 +72,7 @@ def _configure_logging() -> None:
 
 
 def main() -> None:
-    global vllm_engine
+    global vllm_engine, openai_engine
     _configure_logging()
     from dotenv import load_dotenv
 
@@ -80,6 +80,7 @@ def main() -> None:
     import runpod  # here, not at the top: vLLM's spawned processes re-import this file
 
     from engine import vLLMEngine
+    from openai_engine import OpenAIvLLMEngine
     from settings import load_config
 
     try:
@@ -89,6 +90,7 @@ def main() -> None:
         sys.exit(2)
     try:
         vllm_engine = vLLMEngine(config)
+        openai_engine = OpenAIvLLMEngine(vllm_engine)
     except Exception:
         log.exception("Worker startup failed")
         sys.exit(1)

@@ -14,11 +14,16 @@ import msgspec
 import torch
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.engine.arg_utils import EngineArgs
-from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser
+from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput
+from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import load_chat_template
 from vllm.sampling_params import RequestOutputKind
+from vllm.tool_parsers import ToolParserManager
+from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -27,7 +32,8 @@ __all__ = [
     "AsyncEngineArgs", "AsyncLLM", "EngineArgs", "EngineDeadError", "FATAL_ERRORS",
     "NOT_FOUND_ERRORS", "REQUEST_ERRORS", "arg_annotations", "RequestOutput", "RequestOutputKind",
     "SAMPLING_FIELDS", "SamplingParams", "TokensPrompt", "build_arg_parser",
-    "engine_arg_dests", "load_chat_template", "make_sampling_params",
+    "build_openai_app", "engine_arg_dests", "load_chat_template", "make_sampling_params",
+    "start_engine", "validate_frontend_args",
 ]
 
 # Errors after which the engine cannot serve again: the worker must be replaced.
@@ -67,6 +73,38 @@ def arg_annotations() -> dict[str, str]:
     fields = (*dataclasses.fields(AsyncEngineArgs), *dataclasses.fields(FrontendArgs))
     return {f.name: re.sub(r"\b[\w.]+\.(\w+)", r"\1", getattr(f.type, "__name__", None)
                            if isinstance(f.type, type) else str(f.type)) for f in fields}
+
+
+def validate_frontend_args(namespace: argparse.Namespace) -> list[str]:
+    """Problems `vllm serve` would report for these front-end flags, as messages."""
+    problems = []
+    try:
+        validate_parsed_serve_args(namespace)
+    except (TypeError, ValueError) as exc:
+        problems.append(str(exc).removeprefix("Error: "))
+    parser = namespace.tool_call_parser
+    if parser and not namespace.tool_parser_plugin and parser not in ToolParserManager.list_registered():
+        problems.append(f"TOOL_CALL_PARSER={parser!r}: expected one of "
+                        + ", ".join(ToolParserManager.list_registered()))
+    reasoning = namespace.reasoning_parser
+    if reasoning and not namespace.reasoning_parser_plugin \
+            and reasoning not in ReasoningParserManager.list_registered():
+        problems.append(f"REASONING_PARSER={reasoning!r}: expected one of "
+                        + ", ".join(ReasoningParserManager.list_registered()))
+    return problems
+
+
+def start_engine(engine_args: AsyncEngineArgs) -> AsyncLLM:
+    """AsyncLLM as `vllm serve` builds it (server usage context: its scheduling defaults)."""
+    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+
+
+async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
+    """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it."""
+    supported_tasks = await engine.get_supported_tasks()
+    app = build_app(namespace, supported_tasks, engine.model_config)
+    await init_app_state(engine, app.state, namespace, supported_tasks)
+    return app
 
 
 def make_sampling_params(fields: dict, output_kind: RequestOutputKind) -> SamplingParams:

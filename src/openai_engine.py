@@ -1,0 +1,157 @@
+"""``OpenAIvLLMEngine``: OpenAI and Anthropic routes, answered by vLLM's own server code.
+
+A job ``{"openai_route": "/v1/<route>", "openai_input": <body>}`` is sent, in-process, to the
+same FastAPI app ``vllm serve`` runs (built once at start-up, in the engine's event loop, with
+vLLM's serving classes), so each route answers exactly as vLLM's HTTP server would: same
+validation messages, status codes, Anthropic error objects and SSE framing.
+
+Outputs:
+- a JSON response: one item, the response object (an error body when the status is 4xx/5xx);
+- a stream: batches of SSE events (``BatchSize`` growth, worker defaults overridable per job);
+  with ``RAW_OPENAI_OUTPUT`` on, each batch is the events' text joined, ``[DONE]`` included;
+  off, a list of the events' JSON objects, without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from asgi_client import request
+from batching import batched
+from engine import vLLMEngine
+from errors import ErrorPayload, anthropic_error, create_error_response
+from job_input import JobInput
+from vllm_adapter import build_openai_app
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OpenAIvLLMEngine", "ROUTES"]
+
+# Job route → (HTTP method, vLLM's path). The worker serves these when vLLM's app has the path
+# for this model (embeddings only for pooling models, generation routes only for generative ones).
+ROUTES: dict[str, tuple[str, str]] = {
+    "/v1/models": ("GET", "/v1/models"),
+    "/v1/chat/completions": ("POST", "/v1/chat/completions"),
+    "/v1/completions": ("POST", "/v1/completions"),
+    "/v1/responses": ("POST", "/v1/responses"),
+    "/v1/messages": ("POST", "/v1/messages"),
+    "/v1/embeddings": ("POST", "/v1/embeddings"),
+    "/tokenize": ("POST", "/tokenize"),
+    "/detokenize": ("POST", "/detokenize"),
+    "/v1/tokenize": ("POST", "/tokenize"),
+    "/v1/detokenize": ("POST", "/detokenize"),
+}
+
+
+ANTHROPIC_PATHS = frozenset({"/v1/messages"})
+
+
+def _split_events(buffer: str) -> tuple[list[str], str]:
+    """Complete SSE events (each ending in a blank line) and the unfinished rest."""
+    *events, rest = buffer.split("\n\n")
+    return [event + "\n\n" for event in events], rest
+
+
+def _event_json(event: str) -> Any:
+    """The JSON in an event's ``data:`` line, or None for ``[DONE]`` and comments."""
+    for line in event.splitlines():
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            return None if data == "[DONE]" else json.loads(data)
+    return None
+
+
+def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
+    """A JSON response as the job's item; errors stay errors for the runpod SDK.
+
+    Anthropic routes always answer Anthropic's error object: vLLM itself does so for serving
+    errors but answers request-validation errors in OpenAI's shape.
+    """
+    try:
+        content = json.loads(body) if body else {}
+    except ValueError:
+        content = {"detail": body.decode(errors="replace")}
+    if status < 400:
+        return content
+    error = content.get("error") if isinstance(content, dict) else None
+    message = (error.get("message") if isinstance(error, dict) else None) or str(
+        content.get("detail") if isinstance(content, dict) else content)
+    if anthropic:
+        return anthropic_error(status, message)
+    if isinstance(error, dict):
+        return ErrorPayload(content)  # vLLM's own error body, as it is
+    return create_error_response(message, status_code=HTTPStatus(status))
+
+
+async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    buffer = ""
+    async for chunk in body:
+        events, buffer = _split_events(buffer + chunk.decode())
+        for event in events:
+            yield event
+    if buffer.strip():
+        yield buffer
+
+
+class OpenAIvLLMEngine:
+    """Serves OpenAI-route jobs on an existing ``vLLMEngine``'s AsyncLLM and event loop."""
+
+    def __init__(self, vllm_engine: vLLMEngine, namespace: argparse.Namespace | None = None) -> None:
+        self.engine = vllm_engine
+        self.settings = vllm_engine.settings
+        self.raw_openai_output = self.settings.raw_openai_output
+        self.namespace = copy.copy(namespace or vllm_engine.config.args.namespace)
+        if override := self.settings.openai_served_model_name_override:
+            self.namespace.served_model_name = [override]
+        started = time.perf_counter()
+        # Created once, in the engine's loop, before any job: no lazy first-request set-up.
+        self.app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, self.namespace))
+        paths = {getattr(route, "path", None) for route in self.app.routes}
+        self.routes = {name: target for name, target in ROUTES.items() if target[1] in paths}
+        log.info("OpenAI routes ready in %.2fs: %s", time.perf_counter() - started,
+                 ", ".join(self.routes))
+
+    @property
+    def served_model_name(self) -> str:
+        names = self.namespace.served_model_name
+        return names[0] if names else self.namespace.model
+
+    async def generate(self, job: JobInput) -> AsyncIterator[Any]:
+        """Items for one OpenAI-route job; callable from any event loop."""
+        async for item in self.engine.loop.stream(self._generate(job)):
+            yield item
+
+    def _route_error(self, route: str | None) -> ErrorPayload:
+        if route in ROUTES:
+            return create_error_response(
+                f"route {route!r} is not available for model {self.served_model_name!r} "
+                f"(this model serves: {', '.join(self.routes)})", status_code=HTTPStatus.BAD_REQUEST,
+                param="openai_route")
+        return create_error_response(
+            f"unknown route {route!r}; supported routes: {', '.join(self.routes)}",
+            status_code=HTTPStatus.NOT_FOUND, param="openai_route")
+
+    async def _generate(self, job: JobInput) -> AsyncIterator[Any]:
+        if job.openai_route not in self.routes:
+            yield self._route_error(job.openai_route)
+            return
+        method, path = self.routes[job.openai_route]
+        body = None if method == "GET" else (job.openai_input or {})
+        async with request(self.app, method, path, body) as response:
+            if not response.is_event_stream:
+                content = b"".join([chunk async for chunk in response.body])
+                yield _json_item(response.status, content, anthropic=path in ANTHROPIC_PATHS)
+                return
+            size = self.engine.batch_size(job)
+            async for batch in batched(_events(response.body), size):
+                if self.raw_openai_output:
+                    yield "".join(batch)
+                elif parsed := [obj for obj in map(_event_json, batch) if obj is not None]:
+                    yield parsed
