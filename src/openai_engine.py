@@ -25,9 +25,10 @@ from typing import Any
 
 from asgi_client import request
 from batching import batched
-from engine import vLLMEngine
+from engine import job_batch_size, vLLMEngine
 from errors import ErrorPayload, anthropic_error, create_error_response
 from job_input import JobInput
+from settings import WorkerSettings
 from vllm_adapter import build_openai_app
 
 log = logging.getLogger(__name__)
@@ -103,9 +104,11 @@ async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[str]:
 class OpenAIvLLMEngine:
     """Serves OpenAI-route jobs on an existing ``vLLMEngine``'s AsyncLLM and event loop."""
 
-    def __init__(self, vllm_engine: vLLMEngine, namespace: argparse.Namespace | None = None) -> None:
+    def __init__(self, vllm_engine: vLLMEngine, namespace: argparse.Namespace | None = None,
+                 settings: WorkerSettings | None = None) -> None:
+        """``namespace`` and ``settings`` default to the engine's own configuration."""
         self.engine = vllm_engine
-        self.settings = vllm_engine.settings
+        self.settings = settings or vllm_engine.settings
         self.raw_openai_output = self.settings.raw_openai_output
         self.namespace = copy.copy(namespace or vllm_engine.config.args.namespace)
         if override := self.settings.openai_served_model_name_override:
@@ -149,7 +152,7 @@ class OpenAIvLLMEngine:
                 content = b"".join([chunk async for chunk in response.body])
                 yield _json_item(response.status, content, anthropic=path in ANTHROPIC_PATHS)
                 return
-            size = self.engine.batch_size(job)
+            size = job_batch_size(job, self.settings)
             async for batch in batched(_events(response.body), size):
                 if self.raw_openai_output:
                     yield "".join(batch)

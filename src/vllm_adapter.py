@@ -13,15 +13,16 @@ import re
 import msgspec
 import torch
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
-from vllm.engine.arg_utils import EngineArgs
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput
+from vllm.pooling_params import PoolingParams
 from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import load_chat_template
 from vllm.sampling_params import RequestOutputKind
+from vllm.tasks import POOLING_TASKS
 from vllm.tool_parsers import ToolParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -29,11 +30,11 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = [
-    "AsyncEngineArgs", "AsyncLLM", "EngineArgs", "EngineDeadError", "FATAL_ERRORS",
-    "NOT_FOUND_ERRORS", "REQUEST_ERRORS", "arg_annotations", "RequestOutput", "RequestOutputKind",
-    "SAMPLING_FIELDS", "SamplingParams", "TokensPrompt", "build_arg_parser",
-    "build_openai_app", "engine_arg_dests", "load_chat_template", "make_sampling_params",
-    "start_engine", "validate_frontend_args",
+    "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser", "build_openai_app",
+    "engine_arg_dests", "EngineDeadError", "FATAL_ERRORS", "load_chat_template",
+    "make_sampling_params", "NOT_FOUND_ERRORS", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
+    "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
+    "TokensPrompt", "validate_frontend_args",
 ]
 
 # Errors after which the engine cannot serve again: the worker must be replaced.

@@ -8,6 +8,7 @@ Engines are session-scoped (an engine start costs ~20 s); each owns its own even
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -54,9 +55,41 @@ def _build_engine(env: dict[str, str]):
     return vLLMEngine(load_config(env))
 
 
+def build_lora(base: Path, dest: Path) -> Path:
+    """A small random LoRA adapter for ``base`` (random B too, so it changes the output)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    config = LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj"],
+                        init_lora_weights=False)
+    get_peft_model(model, config).save_pretrained(dest)
+    return dest
+
+
 @pytest.fixture(scope="session")
-def tiny_engine(models):
-    engine = _build_engine(engine_env(models["tiny-llama"]))
+def tiny_lora(models, tmp_path_factory) -> Path:
+    return build_lora(models["tiny-llama"], tmp_path_factory.mktemp("lora") / "tiny-lora")
+
+
+@pytest.fixture(scope="session")
+def tiny_env(models, tiny_lora) -> dict[str, str]:
+    """The tiny model with one LoRA adapter, ``tiny-lora``."""
+    return engine_env(models["tiny-llama"],
+                      LORA_MODULES=json.dumps({"name": "tiny-lora", "path": str(tiny_lora)}))
+
+
+@pytest.fixture(scope="session")
+def minilm_env(models) -> dict[str, str]:
+    # MAX_MODEL_LEN=0: "derive it from the model" (256 here, below the CPU default of 2048).
+    return engine_env(models["all-minilm-l6-v2"], RUNNER="pooling", DTYPE="float32", MAX_MODEL_LEN="0")
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_env):
+    engine = _build_engine(tiny_env)
     yield engine
     engine.shutdown()
 
@@ -68,6 +101,34 @@ def smol_engine(models):
     engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def minilm_engine(minilm_env):
+    engine = _build_engine(minilm_env)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_openai(tiny_engine):
+    from openai_engine import OpenAIvLLMEngine
+
+    return OpenAIvLLMEngine(tiny_engine)
+
+
+@pytest.fixture(scope="session")
+def smol_openai(smol_engine):
+    from openai_engine import OpenAIvLLMEngine
+
+    return OpenAIvLLMEngine(smol_engine)
+
+
+@pytest.fixture(scope="session")
+def minilm_openai(minilm_engine):
+    from openai_engine import OpenAIvLLMEngine
+
+    return OpenAIvLLMEngine(minilm_engine)
+
+
 def collect(agen) -> list:
     async def run():
         return [item async for item in agen]
@@ -77,11 +138,25 @@ def collect(agen) -> list:
 
 @pytest.fixture
 def run_job(monkeypatch):
-    """run_job(engine, input) → every item the real ``handler`` yields for that job."""
+    """run_job(engine, input) → every item the real ``handler`` yields for that job.
+
+    ``engine`` is a vLLMEngine for raw jobs or an OpenAIvLLMEngine for OpenAI-route jobs.
+    """
     import handler
 
     def run(engine, job_input, job_id: str = "test-job") -> list:
-        monkeypatch.setattr(handler, "vllm_engine", engine)
+        attribute = "openai_engine" if hasattr(engine, "app") else "vllm_engine"
+        monkeypatch.setattr(handler, attribute, engine)
         return collect(handler.handler({"id": job_id, "input": job_input}))
+
+    return run
+
+
+@pytest.fixture
+def run_openai(run_job):
+    """run_openai(engine, route, body, **job_keys) → the handler's items for that OpenAI job."""
+
+    def run(engine, route, body=None, **job_keys) -> list:
+        return run_job(engine, {"openai_route": route, "openai_input": body, **job_keys})
 
     return run
