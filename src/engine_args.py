@@ -444,6 +444,8 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
         merged["served_model_name"] = Setting(
             "served_model_name", ("--served-model-name", baked_model), "baked model id",
             baked_model)
+    if "lora_modules" in merged and "enable_lora" not in merged:  # adapters need LoRA on
+        merged["enable_lora"] = Setting("enable_lora", ("--enable-lora",), "implied by lora_modules", True)
     if "model" not in merged:
         errors.append("no model configured: set MODEL_NAME (or `model` in the config file)")
     namespace = _parse(parser, merged, errors)
@@ -451,9 +453,6 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
         errors += validate_frontend_args(namespace)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    if namespace.lora_modules and namespace.enable_lora is None:
-        log.info("LORA_MODULES is set: enabling LoRA (set ENABLE_LORA=false to refuse adapters)")
-        namespace.enable_lora = True
     return ResolvedArgs(namespace, AsyncEngineArgs.from_cli_args(namespace), merged, baked_model)
 
 

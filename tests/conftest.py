@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -127,6 +128,12 @@ def minilm_openai(minilm_engine):
     from openai_engine import OpenAIvLLMEngine
 
     return OpenAIvLLMEngine(minilm_engine)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def collect(agen) -> list:

@@ -27,3 +27,9 @@ def test_readme_worker_setting_defaults_match_the_code():
 def test_readme_worker_defaults_match_the_code():
     for dest, value in WORKER_DEFAULTS.items():
         assert f"{dest}={value}" in README
+
+
+def test_only_the_adapter_imports_vllm():
+    importers = {path.name for path in (REPO / "src").glob("*.py")
+                 if re.search(r"^\s*(from|import) (vllm|torch)\b", path.read_text(), re.MULTILINE)}
+    assert importers == {"vllm_adapter.py"}

@@ -5,26 +5,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from conftest import CPU_ENV, REPO, engine_env
+from conftest import CPU_ENV, REPO, engine_env, free_port
 
 HANDLER = str(REPO / "src" / "handler.py")
 
 
 def worker_env(**env: str) -> dict[str, str]:
     return {**os.environ, **CPU_ENV, **env}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 120) -> dict:
@@ -95,3 +88,12 @@ def test_bad_job_over_http_then_the_worker_keeps_serving(rp_api):
     assert result["output"][0]["error"]["param"] == "sampling_params.top_p"
     again = post(rp_api + "/runsync", {"input": {"prompt": "x", "sampling_params": {"max_tokens": 2}}})
     assert again["status"] == "COMPLETED" and again["output"][0]["usage"]["output"] <= 2
+
+
+def test_openai_route_job_over_http(rp_api):
+    models = post(rp_api + "/runsync", {"input": {"openai_route": "/v1/models"}})
+    model = models["output"][0]["data"][0]["id"]
+    result = post(rp_api + "/runsync", {"input": {"openai_route": "/v1/chat/completions", "openai_input": {
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}})
+    (completion,) = result["output"]
+    assert completion["object"] == "chat.completion" and completion["usage"]["completion_tokens"] <= 4
