@@ -89,45 +89,40 @@ def minilm_env(models) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_env):
-    engine = _build_engine(tiny_env)
-    yield engine
-    engine.shutdown()
+def smol_env(models) -> dict[str, str]:
+    return engine_env(models["smollm2-135m-instruct"], DTYPE=SMOLLM2_DTYPE)
 
 
-@pytest.fixture(scope="session")
-def smol_engine(models):
-    engine = _build_engine(engine_env(models["smollm2-135m-instruct"], DTYPE=SMOLLM2_DTYPE))
-    yield engine
-    engine.shutdown()
+def _engine_fixture(env_fixture: str):
+    """A session engine built from the named env fixture, shut down at the end."""
+
+    @pytest.fixture(scope="session")
+    def engine(request):
+        built = _build_engine(request.getfixturevalue(env_fixture))
+        yield built
+        built.shutdown()
+
+    return engine
 
 
-@pytest.fixture(scope="session")
-def minilm_engine(minilm_env):
-    engine = _build_engine(minilm_env)
-    yield engine
-    engine.shutdown()
+def _openai_fixture(engine_fixture: str):
+    """A session OpenAIvLLMEngine over the named engine fixture."""
+
+    @pytest.fixture(scope="session")
+    def openai(request):
+        from openai_engine import OpenAIvLLMEngine
+
+        return OpenAIvLLMEngine(request.getfixturevalue(engine_fixture))
+
+    return openai
 
 
-@pytest.fixture(scope="session")
-def tiny_openai(tiny_engine):
-    from openai_engine import OpenAIvLLMEngine
-
-    return OpenAIvLLMEngine(tiny_engine)
-
-
-@pytest.fixture(scope="session")
-def smol_openai(smol_engine):
-    from openai_engine import OpenAIvLLMEngine
-
-    return OpenAIvLLMEngine(smol_engine)
-
-
-@pytest.fixture(scope="session")
-def minilm_openai(minilm_engine):
-    from openai_engine import OpenAIvLLMEngine
-
-    return OpenAIvLLMEngine(minilm_engine)
+tiny_engine = _engine_fixture("tiny_env")
+smol_engine = _engine_fixture("smol_env")
+minilm_engine = _engine_fixture("minilm_env")
+tiny_openai = _openai_fixture("tiny_engine")
+smol_openai = _openai_fixture("smol_engine")
+minilm_openai = _openai_fixture("minilm_engine")
 
 
 def free_port() -> int:

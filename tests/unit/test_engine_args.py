@@ -13,6 +13,12 @@ from settings import load_config, load_settings
 
 
 @pytest.fixture(autouse=True)
+def _capture_warnings(caplog):
+    """Libraries loaded by other tests may raise the root log level; capture warnings anyway."""
+    caplog.set_level(logging.INFO)
+
+
+@pytest.fixture(autouse=True)
 def _hub_lookups_off(monkeypatch):
     """These tests use made-up model ids: skip vLLM's offline id→cache-path rewrite."""
     import huggingface_hub.constants
