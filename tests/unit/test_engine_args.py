@@ -256,6 +256,9 @@ def test_yaml_keys_like_vllm_serve_config(files, caplog):
     ({"MAX_CONCURRENCY": "many"}, ["MAX_CONCURRENCY='many'", "valid integer"]),
     ({"MIN_BATCH_SIZE": "0"}, ["MIN_BATCH_SIZE='0'", "greater than or equal to 1"]),
     ({"RAW_OPENAI_OUTPUT": "sometimes"}, ["RAW_OPENAI_OUTPUT='sometimes'", "valid boolean"]),
+    ({"TOOL_CALL_PARSER": "nope"}, ["TOOL_CALL_PARSER='nope'", "hermes"]),
+    ({"REASONING_PARSER": "nope"}, ["REASONING_PARSER='nope'", "deepseek_r1"]),
+    ({"ENABLE_AUTO_TOOL_CHOICE": "true"}, ["--enable-auto-tool-choice requires --tool-call-parser"]),
 ])
 def test_bad_values_name_variable_value_and_expectation(files, env, fragments):
     with pytest.raises(ConfigError) as raised:
