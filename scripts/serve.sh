@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs the worker on this machine behind runpod's local API server (http://127.0.0.1:8000),
-# on the SmolLM2-135M-Instruct model built by setup.sh, or on $MODEL_NAME.
-#   scripts/serve.sh            then: curl -s localhost:8000/runsync -d '{"input": {...}}'
+# Runs a local RunPod endpoint (http://127.0.0.1:8000/v2/local/...) with the worker on the
+# SmolLM2-135M-Instruct model built by setup.sh, or on $MODEL_NAME. Arguments go to
+# `python -m endpoint` (--workers N, --port P, --api-key K).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$REPO/scripts/setup.sh"
@@ -14,5 +14,5 @@ if [[ -z "${MODEL_NAME:-}" ]]; then
   export DTYPE="${DTYPE:-float32}"
 fi
 export VLLM_RPC_BASE_PATH="${VLLM_RPC_BASE_PATH:-$(mktemp -d)}"
-exec "$REPO/.venv/bin/python" "$REPO/src/handler.py" --rp_serve_api \
-  --rp_api_host "${HOST:-127.0.0.1}" --rp_api_port "${PORT:-8000}"
+cd "$REPO"
+exec .venv/bin/python -m endpoint "$@"

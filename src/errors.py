@@ -12,9 +12,10 @@ Exceptions from vLLM are classified by type, never by message:
 ``EngineDeadError`` and accelerator faults → fatal (the worker exits so RunPod replaces it),
 anything else → 500.
 
-A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape). The runpod SDK
-posts ``str(value)`` of a yielded error as the job's error text, so ``ErrorPayload.__str__`` is
-JSON: RunPod clients get a parseable error string, in-process callers a plain dict.
+A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape, or Anthropic's on
+``/v1/messages``). The runpod SDK fails the job with ``str()`` of the inner ``error`` value as its
+error text, so that value is a ``JsonDict`` whose ``str()`` is JSON: RunPod clients get a
+parseable error, in-process callers plain dicts.
 """
 
 from __future__ import annotations
@@ -43,11 +44,19 @@ class RequestError(WorkerError):
         self.status = status
 
 
-class ErrorPayload(dict):
-    """``{"error": {"message", "type", "param", "code"}}`` whose ``str()`` is JSON."""
+class JsonDict(dict):
+    """A dict whose ``str()`` is JSON (the runpod SDK reports errors with ``str()``)."""
 
     def __str__(self) -> str:
         return json.dumps(self)
+
+
+class ErrorPayload(JsonDict):
+    """An error item, ``{"error": {...}, ...}``; the inner error also prints as JSON."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self["error"] = JsonDict(self["error"])
 
 
 _TYPE_NAMES = {

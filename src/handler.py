@@ -95,11 +95,14 @@ def main() -> None:
         log.exception("Worker startup failed")
         sys.exit(1)
     log.info("Worker ready: taking up to %d concurrent jobs", config.settings.max_concurrency)
-    runpod.serverless.start({
-        "handler": handler,
-        "concurrency_modifier": lambda _current: config.settings.max_concurrency,
-        "return_aggregate_stream": True,
-    })
+    try:
+        runpod.serverless.start({
+            "handler": handler,
+            "concurrency_modifier": lambda _current: config.settings.max_concurrency,
+            "return_aggregate_stream": True,
+        })
+    finally:  # the SDK returns after SIGTERM: stop vLLM's processes rather than orphan them
+        vllm_engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -37,17 +37,19 @@ def vllm_servers(tiny_env, minilm_env, tmp_path_factory):
                 "--host", "127.0.0.1", "--port", str(port)]
         procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
         servers[name] = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    for (proc, log), url in zip(procs, servers.values(), strict=True):
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-    yield servers
-    for proc, _ in procs:
-        proc.terminate()
-    for proc, _ in procs:
-        proc.wait(timeout=60)
+    try:
+        deadline = time.monotonic() + 300
+        for (proc, log), url in zip(procs, servers.values(), strict=True):
+            while not _healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield servers
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            proc.wait(timeout=60)
 
 
 def _healthy(url: str) -> bool:

@@ -156,7 +156,7 @@ def test_bad_input_gives_one_structured_error_then_serving_continues(tiny_engine
     error = items[0]["error"]
     assert error["code"] == 400 and error["type"] == "BadRequestError" and error["message"]
     assert error["param"] == param
-    json.loads(str(items[0]))  # the text the runpod SDK reports is JSON
+    assert json.loads(str(error)) == error  # runpod fails the job with str(error): JSON
     ok = run_job(tiny_engine, {"prompt": "Hello", "sampling_params": {"max_tokens": 3, "ignore_eos": True}})
     assert ok[0]["usage"]["output"] == 3
 

@@ -1,0 +1,143 @@
+"""A local RunPod serverless endpoint: ``python -m endpoint [--workers N] [--port 8000]``.
+
+Starts the endpoint server on 127.0.0.1 and N worker processes (``python src/handler.py``, the
+real ``runpod.serverless.start`` loop, pointed at the server with RunPod's ``RUNPOD_WEBHOOK_*``
+variables), waits until every worker asks for work, prints the URLs, and on Ctrl-C or SIGTERM
+stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
+The workers inherit this environment: ``MODEL_NAME`` and every other worker setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from .app import EndpointConfig, create_app
+from .jobs import JobStore
+
+HANDLER = Path(__file__).resolve().parents[1] / "src" / "handler.py"
+READY_TIMEOUT_SECONDS = 600
+STOP_GRACE_SECONDS = 30
+
+
+def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, str]:
+    """The variables with which RunPod points a worker at its endpoint."""
+    job = f"{base_url}/job-take/$ID?gpu=local"
+    return {
+        **os.environ,
+        "RUNPOD_POD_ID": worker_id,
+        "RUNPOD_WEBHOOK_GET_JOB": job,
+        "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base_url}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
+        "RUNPOD_WEBHOOK_POST_STREAM": f"{base_url}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
+        "RUNPOD_WEBHOOK_PING": f"{base_url}/ping/$RUNPOD_POD_ID?gpu=local",
+        "RUNPOD_AI_API_KEY": api_key or "local",
+        "RUNPOD_PING_INTERVAL": "5000",
+        "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
+        "RUNPOD_SKIP_GPU_CHECK": "true",
+        "PYTHONUNBUFFERED": "1",  # worker logs appear as they happen
+        # The SDK logs every job's input and output at DEBUG, its default.
+        "RUNPOD_DEBUG_LEVEL": os.environ.get("RUNPOD_DEBUG_LEVEL", "INFO"),
+    }
+
+
+def snippet(base: str, api_key: str | None) -> str:
+    return (f'from openai import OpenAI\n'
+            f'client = OpenAI(base_url="{base}/openai/v1", api_key="{api_key or "local"}")\n'
+            f'model = client.models.list().data[0].id\n'
+            f'answer = client.chat.completions.create(model=model, messages=[\n'
+            f'    {{"role": "user", "content": "What is the capital of France?"}}])\n'
+            f'print(answer.choices[0].message.content)')
+
+
+class Supervisor:
+    """Runs the workers and notices when one of them exits."""
+
+    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore) -> None:
+        self.store = store
+        # Each worker gets its own working directory, as each RunPod worker has its own container:
+        # the runpod SDK keeps its in-progress job list in a file in the working directory.
+        self.procs = {f"local-worker-{i}": subprocess.Popen(
+            [sys.executable, str(HANDLER)], env=worker_env(base_url, f"local-worker-{i}", api_key),
+            cwd=tempfile.mkdtemp(prefix=f"local-worker-{i}-"))
+            for i in range(count)}
+
+    async def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while not all(w in self.store.workers for w in self.procs):
+            if failed := [w for w, p in self.procs.items() if p.poll() is not None]:
+                raise RuntimeError(f"worker(s) exited during start-up: {', '.join(failed)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("workers not ready in time")
+            await asyncio.sleep(0.5)
+
+    async def watch(self) -> None:
+        while True:
+            for worker, proc in self.procs.items():
+                if proc.poll() is not None and worker in self.store.workers:
+                    print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
+                    await self.store.forget(worker)
+            await asyncio.sleep(1)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    store = JobStore()
+    config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key)
+    runner = web.AppRunner(create_app(config, store))
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"
+    supervisor = Supervisor(args.workers, base, args.api_key, store)
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    started = time.monotonic()
+    try:
+        ready = asyncio.create_task(supervisor.wait_ready())
+        await asyncio.wait({ready, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+        if ready.done():
+            ready.result()
+            print(f"endpoint: {args.workers} worker(s) ready in {time.monotonic() - started:.1f} s\n"
+                  f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
+                  f"  OpenAI API: {base}/openai/v1\n\n{snippet(base, args.api_key)}\n", flush=True)
+            watcher = asyncio.create_task(supervisor.watch())
+            await stop.wait()
+            watcher.cancel()
+    finally:
+        print("endpoint: stopping workers", flush=True)
+        await asyncio.to_thread(supervisor.stop)
+        await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m endpoint", description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1, help="worker processes on one queue")
+    parser.add_argument("--endpoint-id", default="local")
+    parser.add_argument("--api-key", default=os.environ.get("ENDPOINT_API_KEY"),
+                        help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
+    asyncio.run(serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""HTTP faces of the local endpoint (aiohttp), both under ``/v2/<endpoint_id>/``.
+
+Client face, as RunPod's serverless API: ``POST run``, ``POST runsync``, ``GET stream/<id>``,
+``GET status/<id>``, ``POST cancel/<id>``, ``GET health``, ``POST purge-queue`` and
+``POST|GET openai/v1/<route>`` (a job ``{"openai_route", "openai_input"}``, answered as JSON or,
+for ``"stream": true``, as ``text/event-stream`` relayed chunk by chunk).
+
+Worker face, RunPod's job protocol, which the real ``runpod.serverless.start`` loop speaks:
+``GET job-take/<worker>``, ``GET job-take-batch/<worker>``, ``POST job-stream/<worker>/<job>``,
+``POST job-done/<worker>/<job>``, ``GET job-stop/<worker>``, ``GET ping/<worker>``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from aiohttp import web
+
+from .jobs import Job, JobStore, Status
+
+__all__ = ["EndpointConfig", "create_app"]
+
+# How long an idle job-take or job-stop request is held open (the SDK re-polls at once).
+LONG_POLL_SECONDS = 3.0
+# Anthropic error types → HTTP status, for failed /v1/messages jobs.
+ANTHROPIC_STATUS = {"invalid_request_error": 400, "authentication_error": 401,
+                    "permission_error": 403, "not_found_error": 404, "request_too_large": 413,
+                    "rate_limit_error": 429, "api_error": 500, "overloaded_error": 529}
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    endpoint_id: str = "local"
+    api_key: str | None = None
+    max_body_bytes: int = 20 * 2**20  # RunPod's /runsync payload limit
+    runsync_wait_seconds: float = 90.0
+    stream_wait_seconds: float = 10.0
+    worker_alive_seconds: float = 30.0
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
+    if anthropic:
+        body = {"type": "error", "error": {"type": "api_error" if status >= 500 else
+                                           "invalid_request_error", "message": message}}
+    else:
+        body = {"error": {"message": message, "type": HTTPStatus(status).phrase,
+                          "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
+    """A failed OpenAI-route job as the HTTP error its worker described.
+
+    The runpod SDK fails a job with ``str()`` of the yielded item's ``error`` value, which the
+    worker makes JSON: OpenAI's ``{"message", "type", "param", "code"}`` or Anthropic's
+    ``{"type", "message"}``.
+    """
+    try:
+        error = json.loads(job.error) if isinstance(job.error, str) else job.error
+    except ValueError:
+        error = None
+    if not isinstance(error, dict) or "message" not in error:
+        return _openai_error(500, str(job.error), anthropic)
+    if anthropic:
+        return web.json_response({"type": "error", "error": error},
+                                 status=ANTHROPIC_STATUS.get(error.get("type"), 500))
+    return web.json_response({"error": error}, status=int(error.get("code") or 500))
+
+
+def _sse(chunk: Any) -> str:
+    """A streamed chunk as SSE text: raw-mode strings as they are, parsed chunks re-framed."""
+    if isinstance(chunk, str):
+        return chunk
+    objects = chunk if isinstance(chunk, list) else [chunk]
+    return "".join(f"data: {json.dumps(obj)}\n\n" for obj in objects)
+
+
+class Endpoint:
+    def __init__(self, config: EndpointConfig, store: JobStore) -> None:
+        self.config, self.store = config, store
+
+    # --- shared --------------------------------------------------------------------------------
+
+    @web.middleware
+    async def authenticate(self, request: web.Request, handler):
+        key = self.config.api_key
+        if key is not None:
+            given = request.headers.get("Authorization", request.headers.get("x-api-key", ""))
+            if given.removeprefix("Bearer ").strip() != key:
+                return _error(401, "missing or wrong API key")
+        return await handler(request)
+
+    def _job(self, request: web.Request) -> Job:
+        job = self.store.get(request.match_info["job_id"])
+        if job is None:
+            raise web.HTTPNotFound(text=json.dumps({"error": "job not found"}),
+                                   content_type="application/json")
+        return job
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return json.loads(await request.read() or b"null")
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {exc}"}),
+                                     content_type="application/json") from None
+
+    async def _submit(self, request: web.Request) -> Job:
+        body = await self._body(request)
+        if not isinstance(body, dict) or "input" not in body:
+            raise web.HTTPBadRequest(text=json.dumps({"error": 'expected {"input": ...}'}),
+                                     content_type="application/json")
+        return await self.store.submit(body["input"])
+
+    # --- client face ---------------------------------------------------------------------------
+
+    async def run(self, request: web.Request) -> web.Response:
+        job = await self._submit(request)
+        return web.json_response({"id": job.id, "status": str(job.status)})
+
+    async def runsync(self, request: web.Request) -> web.Response:
+        job = await self._submit(request)
+        wait = float(request.query.get("wait", self.config.runsync_wait_seconds * 1000)) / 1000
+        await self.store.wait_for(lambda: job.final, wait)
+        return web.json_response(job.public())
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self._job(request).public())
+
+    async def stream(self, request: web.Request) -> web.Response:
+        """The chunks produced since the previous call, waiting briefly for new ones."""
+        job = self._job(request)
+        await self.store.wait_for(lambda: job.final or len(job.chunks) > job.read,
+                                  self.config.stream_wait_seconds)
+        new, job.read = job.chunks[job.read:], len(job.chunks)
+        body: dict[str, Any] = {"id": job.id, "status": str(job.status),
+                                "stream": [{"output": chunk} for chunk in new]}
+        if job.error is not None:
+            body["error"] = job.error
+        return web.json_response(body)
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        job = await self.store.cancel(self._job(request).id)
+        return web.json_response({"id": job.id, "status": str(job.status)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response(self.store.health(self.config.worker_alive_seconds))
+
+    async def purge_queue(self, request: web.Request) -> web.Response:
+        return web.json_response({"removed": await self.store.purge(), "status": "completed"})
+
+    async def openai(self, request: web.Request) -> web.StreamResponse:
+        route = "/v1/" + request.match_info["route"]
+        anthropic = route == "/v1/messages"
+        body = await self._body(request) if request.method == "POST" else None
+        if body is not None and not isinstance(body, dict):
+            return _openai_error(400, "the request body must be a JSON object", anthropic)
+        job = await self.store.submit({"openai_route": route, "openai_input": body})
+        if isinstance(body, dict) and body.get("stream"):
+            return await self._relay_stream(request, job, anthropic)
+        await self.store.wait_for(lambda: job.final, self.config.runsync_wait_seconds)
+        if job.status is Status.COMPLETED:
+            output = job.output[0] if isinstance(job.output, list) and job.output else job.output
+            return web.json_response(output)
+        if job.status is Status.FAILED:
+            return _failed_job_response(job, anthropic)
+        await self.store.cancel(job.id)
+        return _openai_error(504, f"no answer within {self.config.runsync_wait_seconds:.0f} s", anthropic)
+
+    async def _relay_stream(self, request: web.Request, job: Job, anthropic: bool) -> web.StreamResponse:
+        """SSE chunks as the worker posts them; an error before the first chunk is an HTTP error."""
+        await self.store.wait_for(lambda: job.final or job.chunks, self.config.runsync_wait_seconds)
+        if job.status is Status.FAILED and not job.chunks:
+            return _failed_job_response(job, anthropic)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = 0
+        try:
+            while True:
+                await self.store.wait_for(lambda seen=sent: job.final or len(job.chunks) > seen,
+                                          self.config.runsync_wait_seconds)
+                for chunk in job.chunks[sent:]:
+                    await response.write(_sse(chunk).encode())
+                sent = len(job.chunks)
+                if job.final:
+                    break
+            if job.status is Status.FAILED:
+                await response.write(f"data: {json.dumps({'error': job.error})}\n\n".encode())
+        except ConnectionResetError:  # the client left: stop the job on its worker
+            await self.store.cancel(job.id)
+        await response.write_eof()
+        return response
+
+    # --- worker face ---------------------------------------------------------------------------
+
+    async def job_take(self, request: web.Request) -> web.Response:
+        worker = request.match_info["worker"]
+        batch = "batch_size" in request.query
+        count = max(1, int(request.query.get("batch_size", 1))) if batch else 1
+        jobs = await self.store.take(worker, count, LONG_POLL_SECONDS)
+        if not jobs:
+            return web.Response(status=204)
+        payload = [{"id": j.id, "input": j.input} for j in jobs]
+        return web.json_response(payload if batch else payload[0])
+
+    async def job_stream(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        output = body.get("output") if isinstance(body, dict) else None
+        await self.store.stream(request.match_info["job_id"], request.match_info["worker"], output)
+        return web.json_response({})
+
+    async def job_done(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        await self.store.finish(request.match_info["job_id"], request.match_info["worker"],
+                                body if isinstance(body, dict) else {"output": body})
+        return web.json_response({})
+
+    async def job_stop(self, request: web.Request) -> web.Response:
+        stops = await self.store.stop_signals(request.match_info["worker"], LONG_POLL_SECONDS)
+        return web.json_response({"jobsToStop": stops}) if stops else web.Response(status=204)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        self.store.ping(request.match_info["worker"])
+        return web.json_response({})
+
+
+def create_app(config: EndpointConfig | None = None, store: JobStore | None = None) -> web.Application:
+    config = config or EndpointConfig()
+    endpoint = Endpoint(config, store or JobStore())
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[endpoint.authenticate])
+    app["store"] = endpoint.store
+    base = f"/v2/{config.endpoint_id}"
+    app.add_routes([
+        web.post(f"{base}/run", endpoint.run),
+        web.post(f"{base}/runsync", endpoint.runsync),
+        web.get(f"{base}/stream/{{job_id}}", endpoint.stream),
+        web.get(f"{base}/status/{{job_id}}", endpoint.status),
+        web.post(f"{base}/cancel/{{job_id}}", endpoint.cancel),
+        web.get(f"{base}/health", endpoint.health),
+        web.post(f"{base}/purge-queue", endpoint.purge_queue),
+        web.route("*", f"{base}/openai/v1/{{route:.+}}", endpoint.openai),
+        web.get(f"{base}/job-take/{{worker}}", endpoint.job_take),
+        web.get(f"{base}/job-take-batch/{{worker}}", endpoint.job_take),
+        web.post(f"{base}/job-stream/{{worker}}/{{job_id}}", endpoint.job_stream),
+        web.post(f"{base}/job-done/{{worker}}/{{job_id}}", endpoint.job_done),
+        web.get(f"{base}/job-stop/{{worker}}", endpoint.job_stop),
+        web.get(f"{base}/ping/{{worker}}", endpoint.ping),
+    ])
+    return app

@@ -1,0 +1,188 @@
+"""The job store of the local endpoint: queue, states, stream buffers, stop signals. No HTTP.
+
+A job goes IN_QUEUE → IN_PROGRESS (taken by exactly one worker) → COMPLETED | FAILED, or to
+CANCELLED from either of the first two; a cancelled job in progress is also put on its worker's
+stop list, and whatever that worker reports for it afterwards is ignored. Waiters (long polls,
+``runsync``, streams) sleep on one condition that every change notifies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FINAL", "Job", "JobStore", "Status"]
+
+
+class Status(enum.StrEnum):
+    IN_QUEUE = "IN_QUEUE"
+    IN_PROGRESS = "IN_PROGRESS"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
+FINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+
+
+@dataclass
+class Job:
+    id: str
+    input: Any
+    status: Status = Status.IN_QUEUE
+    worker: str | None = None
+    chunks: list[Any] = field(default_factory=list)  # every streamed output, in order
+    read: int = 0  # how many chunks /stream has handed out
+    output: Any = None
+    error: Any = None
+    done_reports: int = 0  # job-done calls received, ignored ones included
+    created: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    finished: float | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.status in FINAL
+
+    def public(self) -> dict[str, Any]:
+        """The job as RunPod's /status answers it."""
+        now = time.monotonic()
+        body: dict[str, Any] = {"id": self.id, "status": str(self.status),
+                                "delayTime": round(((self.started or now) - self.created) * 1000)}
+        if self.started is not None:
+            body["executionTime"] = round(((self.finished or now) - self.started) * 1000)
+        if self.worker:
+            body["workerId"] = self.worker
+        if self.status is Status.COMPLETED:
+            body["output"] = self.output
+        if self.error is not None:
+            body["error"] = self.error
+        return body
+
+
+class JobStore:
+    def __init__(self) -> None:
+        self.jobs: dict[str, Job] = {}
+        self.queue: deque[str] = deque()
+        self.stops: dict[str, set[str]] = {}  # worker → jobs it must stop
+        self.workers: dict[str, float] = {}  # worker → last time it called in
+        self.counts = {status: 0 for status in FINAL}
+        self._changed = asyncio.Condition()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def wait_for(self, predicate, timeout: float) -> bool:
+        """Wait until ``predicate()`` holds (True) or ``timeout`` passes (False)."""
+        async with self._changed:
+            try:
+                await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+                return True
+            except TimeoutError:
+                return predicate()
+
+    def get(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    async def submit(self, job_input: Any) -> Job:
+        job = Job(id=f"local-{uuid.uuid4()}", input=job_input)
+        self.jobs[job.id] = job
+        self.queue.append(job.id)
+        await self._notify()
+        return job
+
+    async def take(self, worker: str, count: int, timeout: float) -> list[Job]:
+        """Up to ``count`` queued jobs for ``worker``, waiting up to ``timeout`` for the first."""
+        self.workers[worker] = time.monotonic()
+        await self.wait_for(lambda: bool(self.queue), timeout)
+        taken = []
+        while self.queue and len(taken) < count:
+            job = self.jobs[self.queue.popleft()]
+            job.status, job.worker, job.started = Status.IN_PROGRESS, worker, time.monotonic()
+            taken.append(job)
+        return taken
+
+    def _reported(self, job_id: str, worker: str) -> Job | None:
+        """The job a worker reports on, unless it is no longer that worker's to report."""
+        self.workers[worker] = time.monotonic()
+        job = self.jobs.get(job_id)
+        if job is None or job.worker != worker or job.status is not Status.IN_PROGRESS:
+            return None
+        return job
+
+    async def stream(self, job_id: str, worker: str, output: Any) -> None:
+        if job := self._reported(job_id, worker):
+            job.chunks.append(output)
+            await self._notify()
+
+    async def finish(self, job_id: str, worker: str, result: dict[str, Any]) -> None:
+        """Record job-done: ``{"output": ...}`` or ``{"error": ...}``."""
+        if job_id in self.jobs:
+            self.jobs[job_id].done_reports += 1
+        if not (job := self._reported(job_id, worker)):
+            return
+        if result.get("error") is not None:
+            job.status, job.error = Status.FAILED, result["error"]
+        else:
+            job.status, job.output = Status.COMPLETED, result.get("output")
+        job.finished = time.monotonic()
+        self.counts[job.status] += 1
+        await self._notify()
+
+    async def cancel(self, job_id: str) -> Job | None:
+        job = self.jobs.get(job_id)
+        if job is None or job.final:
+            return job
+        if job.status is Status.IN_QUEUE:
+            self.queue.remove(job.id)
+        else:
+            self.stops.setdefault(job.worker, set()).add(job.id)
+        job.status, job.finished = Status.CANCELLED, time.monotonic()
+        self.counts[Status.CANCELLED] += 1
+        await self._notify()
+        return job
+
+    async def stop_signals(self, worker: str, timeout: float) -> list[str]:
+        self.workers[worker] = time.monotonic()
+        await self.wait_for(lambda: bool(self.stops.get(worker)), timeout)
+        return sorted(self.stops.pop(worker, set()))
+
+    async def purge(self) -> int:
+        removed = len(self.queue)
+        for job_id in list(self.queue):
+            await self.cancel(job_id)
+        return removed
+
+    async def forget(self, worker: str) -> None:
+        """A worker is gone: jobs it held fail (it can no longer report them)."""
+        self.workers.pop(worker, None)
+        for job in self.jobs.values():
+            if job.worker == worker and job.status is Status.IN_PROGRESS:
+                job.status, job.finished = Status.FAILED, time.monotonic()
+                job.error = json.dumps({"message": f"worker {worker} exited", "type": "WorkerLost",
+                                        "param": None, "code": 500})
+                self.counts[Status.FAILED] += 1
+        await self._notify()
+
+    def ping(self, worker: str) -> None:
+        self.workers[worker] = time.monotonic()
+
+    def health(self, alive_within: float) -> dict[str, Any]:
+        now = time.monotonic()
+        alive = {w for w, seen in self.workers.items() if now - seen <= alive_within}
+        running = {j.worker for j in self.jobs.values() if j.status is Status.IN_PROGRESS}
+        return {
+            "jobs": {"completed": self.counts[Status.COMPLETED], "failed": self.counts[Status.FAILED],
+                     "cancelled": self.counts[Status.CANCELLED], "inQueue": len(self.queue),
+                     "inProgress": sum(j.status is Status.IN_PROGRESS for j in self.jobs.values()),
+                     "retried": 0},
+            "workers": {"idle": len(alive - running), "running": len(alive & running),
+                        "ready": len(alive)},
+        }

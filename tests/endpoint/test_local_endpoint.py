@@ -1,0 +1,293 @@
+"""The local endpoint with real worker processes (the runpod SDK's own worker loop on the real
+engine), driven by the unmodified openai, anthropic and runpod client libraries."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+import runpod
+from conftest import CPU_ENV, REPO, free_port
+
+API_KEY = "test-key"
+
+
+class LocalEndpoint:
+    def __init__(self, env: dict[str, str], workers: int, log_path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}/v2/local"
+        self.log_path = log_path
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "endpoint", "--port", str(self.port), "--workers", str(workers),
+             "--api-key", API_KEY],
+            cwd=REPO, env={**os.environ, **CPU_ENV, **env},
+            stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=120)
+        self.ready_after = self._wait_ready(workers)
+
+    def _wait_ready(self, workers: int) -> float:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if "worker(s) ready" in self.log():
+                assert self.http.get("/health").json()["workers"]["ready"] == workers
+                return time.monotonic() - self.started
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail("endpoint did not become ready:\n" + self.log()[-4000:])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=90)
+
+
+def foreign_engine_cores() -> set[int]:
+    """vLLM engine processes on this machine not started by this test process."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    return {int(pid) for pid, ppid, *args in map(str.split, ps.splitlines())
+            if args and args[0] == "VLLM::EngineCore" and int(ppid) != os.getpid()}
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_env, tmp_path_factory):
+    """Two tiny-model workers on one queue; vLLM logs requests, so aborts are visible."""
+    before = foreign_engine_cores()
+    local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true"}, 2,
+                          tmp_path_factory.mktemp("endpoint") / "endpoint.log")
+    yield local
+    assert local.stop() == 0
+    time.sleep(1)
+    assert foreign_engine_cores() <= before, "the workers left vLLM processes behind"
+
+
+@pytest.fixture(scope="module")
+def embedding_endpoint(minilm_env, tmp_path_factory):
+    local = LocalEndpoint(minilm_env, 1, tmp_path_factory.mktemp("endpoint") / "minilm.log")
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    return openai.OpenAI(base_url=endpoint.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+# --- openai SDK -----------------------------------------------------------------------------
+
+def test_models_list(client, endpoint):
+    ids = [m.id for m in client.models.list().data]
+    assert ids[1:] == ["tiny-lora"] and ids[0].endswith("tiny-llama")
+
+
+def test_chat_completion(client, model):
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+        extra_body={"ignore_eos": True})
+    assert completion.choices[0].message.content and completion.usage.completion_tokens == 8
+
+
+def test_chat_completion_stream_with_usage(client, model):
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=20, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage.completion_tokens == 20
+
+
+def test_completion(client, model):
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                           extra_body={"ignore_eos": True})
+    assert completion.choices[0].text and completion.usage.completion_tokens == 5
+
+
+def test_responses_stream_and_not(client, model):
+    response = client.responses.create(model=model, input="Hello", max_output_tokens=8)
+    assert response.status in ("completed", "incomplete") and response.output_text
+    events = list(client.responses.create(model=model, input="Hello", max_output_tokens=8, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+
+
+def test_unknown_model_raises_not_found(client):
+    with pytest.raises(openai.NotFoundError) as raised:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert "no-such-model" in str(raised.value)
+
+
+def test_embeddings_on_a_pooling_worker(embedding_endpoint):
+    client = openai.OpenAI(base_url=embedding_endpoint.base + "/openai/v1", api_key=API_KEY,
+                           max_retries=0)
+    model = client.models.list().data[0].id
+    result = client.embeddings.create(model=model, input=["Paris is in France.", "Hello"])
+    assert [len(d.embedding) for d in result.data] == [384, 384]
+
+
+# --- anthropic SDK --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def claude(endpoint):
+    return anthropic.Anthropic(base_url=endpoint.base + "/openai", api_key=API_KEY, max_retries=0)
+
+
+def test_anthropic_messages(claude, model):
+    message = claude.messages.create(model=model, max_tokens=8,
+                                     messages=[{"role": "user", "content": "Hi"}])
+    assert message.type == "message" and message.content[0].text
+
+
+def test_anthropic_messages_stream(claude, model):
+    with claude.messages.stream(model=model, max_tokens=8,
+                                messages=[{"role": "user", "content": "Hi"}]) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text and final.usage.output_tokens > 0
+
+
+def test_anthropic_errors_raise_the_sdk_exceptions(claude):
+    with pytest.raises(anthropic.NotFoundError):
+        claude.messages.create(model="no-such-model", max_tokens=8,
+                               messages=[{"role": "user", "content": "x"}])
+
+
+# --- runpod SDK -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def runpod_endpoint(endpoint):
+    runpod.api_key = API_KEY
+    runpod.endpoint_url_base = endpoint.base.removesuffix("/local")
+    return runpod.Endpoint("local")
+
+
+RAW = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 6, "ignore_eos": True}}
+
+
+def test_runpod_run_sync(runpod_endpoint):
+    (item,) = runpod_endpoint.run_sync({"input": RAW}, timeout=60)
+    assert item["usage"]["output"] == 6
+
+
+def test_runpod_run_status_stream(runpod_endpoint):
+    job = runpod_endpoint.run({"input": {**RAW, "stream": True}})
+    assert job.status() in ("IN_QUEUE", "IN_PROGRESS", "COMPLETED")
+    streamed = list(job.stream())
+    assert sum(len(i["choices"][0]["tokens"]) for i in streamed) >= 1
+    assert streamed[-1]["usage"]["output"] == 6 and job.status() == "COMPLETED"
+
+
+def test_runpod_cancel(runpod_endpoint, endpoint):
+    job = runpod_endpoint.run({"input": {"prompt": "x", "sampling_params": {"max_tokens": 1500,
+                                                                             "ignore_eos": True}}})
+    wait_for(lambda: job.status() == "IN_PROGRESS", 30)
+    assert job.cancel()["status"] == "CANCELLED"
+    assert job.status() == "CANCELLED"
+
+
+# --- RunPod API directly --------------------------------------------------------------------
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_stream_returns_chunks_before_the_job_ends(endpoint):
+    job = endpoint.http.post("/run", json={"input": {
+        "prompt": "x", "stream": True, "sampling_params": {"max_tokens": 600, "ignore_eos": True}}}).json()
+    first = endpoint.http.get(f"/stream/{job['id']}").json()
+    while not first["stream"] and first["status"] in ("IN_QUEUE", "IN_PROGRESS"):
+        first = endpoint.http.get(f"/stream/{job['id']}").json()
+    assert first["status"] == "IN_PROGRESS" and first["stream"][0]["output"]["usage"]["output"] >= 1
+    seen = [c["output"] for c in first["stream"]]
+    while True:
+        part = endpoint.http.get(f"/stream/{job['id']}").json()
+        seen += [c["output"] for c in part["stream"]]
+        if part["status"] == "COMPLETED" and not part["stream"]:
+            break
+    assert seen[-1]["usage"]["output"] == 600 and len(seen) > 5
+
+
+def test_cancel_aborts_the_vllm_request_within_a_second(endpoint):
+    job = endpoint.http.post("/run", json={"input": {
+        "prompt": "x", "stream": True, "sampling_params": {"max_tokens": 1800, "ignore_eos": True}}}).json()
+    wait_for(lambda: endpoint.http.get(f"/stream/{job['id']}").json()["stream"], 60)
+    endpoint.http.post(f"/cancel/{job['id']}")
+    aborted = re.compile(rf"Aborted request\(s\) {re.escape(job['id'])}-")
+    assert wait_for(lambda: aborted.search(endpoint.log()), 1.0) < 1.0
+    time.sleep(0.5)  # whatever the worker still posts is ignored
+    status = endpoint.http.get(f"/status/{job['id']}").json()
+    assert status["status"] == "CANCELLED" and "output" not in status
+
+
+def test_openai_stream_is_relayed_chunk_by_chunk(endpoint, model):
+    body = {"model": model, "prompt": "x", "max_tokens": 300, "stream": True, "ignore_eos": True}
+    arrivals = []
+    with endpoint.http.stream("POST", "/openai/v1/completions", json=body) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for _ in response.iter_bytes():
+            arrivals.append(time.monotonic())
+    assert len(arrivals) >= 3 and arrivals[-1] - arrivals[0] > 0.05  # not one block at the end
+
+
+def test_unknown_route_and_bad_body_through_openai_face(endpoint):
+    unknown = endpoint.http.post("/openai/v1/fine_tuning/jobs", json={})
+    assert unknown.status_code == 404 and "/v1/chat/completions" in unknown.json()["error"]["message"]
+    bad = endpoint.http.post("/openai/v1/chat/completions", json={"messages": "x"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == 400
+
+
+def test_two_workers_fifty_jobs_each_completed_exactly_once(endpoint):
+    before = endpoint.http.get("/health").json()["jobs"]["completed"]
+    ids = [endpoint.http.post("/run", json={"input": {
+        "prompt": f"job {i}", "sampling_params": {"max_tokens": 4, "ignore_eos": True}}}).json()["id"]
+        for i in range(50)]
+    statuses = {}
+
+    def all_done():
+        for job_id in ids:
+            if job_id not in statuses:
+                status = endpoint.http.get(f"/status/{job_id}").json()
+                if status["status"] in ("COMPLETED", "FAILED", "CANCELLED"):
+                    statuses[job_id] = status
+        return len(statuses) == len(ids)
+
+    wait_for(all_done, 120)
+    assert {s["status"] for s in statuses.values()} == {"COMPLETED"}
+    assert all(s["output"][0]["usage"]["output"] == 4 for s in statuses.values())
+    assert {s["workerId"] for s in statuses.values()} == {"local-worker-0", "local-worker-1"}
+    assert endpoint.http.get("/health").json()["jobs"]["completed"] - before == 50
+    # The SDK logs "Finished." once per job it ran, after reporting it done.
+    wait_for(lambda: all(f"{job_id} | Finished." in endpoint.log() for job_id in ids), 10)
+    log = endpoint.log()
+    assert all(log.count(f"{job_id} | Finished.") == 1 for job_id in ids)
+
+
+def test_purge_queue_and_health(endpoint):
+    health = endpoint.http.get("/health").json()
+    assert health["workers"]["ready"] == 2 and health["jobs"]["inQueue"] == 0
+    assert endpoint.http.post("/purge-queue").json()["removed"] == 0
+
+
+def test_time_to_first_answer(endpoint):
+    """Not a timed test: records the figure for the closing note."""
+    print(json.dumps({"ready_after_s": round(endpoint.ready_after, 1)}))
+    assert endpoint.ready_after > 0

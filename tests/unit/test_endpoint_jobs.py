@@ -1,0 +1,117 @@
+"""The local endpoint's job store: states, single hand-out, streams, cancellation (no HTTP)."""
+
+import asyncio
+
+from endpoint.jobs import JobStore, Status
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_job_is_handed_to_exactly_one_worker():
+    async def scenario():
+        store = JobStore()
+        jobs = [await store.submit({"n": i}) for i in range(5)]
+        first = await store.take("w1", 3, timeout=0.1)
+        second = await store.take("w2", 3, timeout=0.1)
+        third = await store.take("w3", 3, timeout=0.1)
+        return jobs, first, second, third
+
+    jobs, first, second, third = run(scenario())
+    assert [j.id for j in first + second] == [j.id for j in jobs] and third == []
+    assert {j.worker for j in first} == {"w1"} and all(j.status is Status.IN_PROGRESS for j in jobs)
+
+
+def test_take_waits_for_work_then_gives_up():
+    async def scenario():
+        store = JobStore()
+        waiter = asyncio.create_task(store.take("w", 1, timeout=2))
+        await asyncio.sleep(0.05)
+        job = await store.submit({})
+        return job, await waiter, await store.take("w", 1, timeout=0.05)
+
+    job, taken, empty = run(scenario())
+    assert [j.id for j in taken] == [job.id] and empty == []
+
+
+def test_stream_then_done():
+    async def scenario():
+        store = JobStore()
+        job = await store.submit({})
+        await store.take("w", 1, timeout=0)
+        await store.stream(job.id, "w", "a")
+        await store.stream(job.id, "w", "b")
+        await store.finish(job.id, "w", {"output": ["a", "b"]})
+        await store.stream(job.id, "w", "late")  # after done: ignored
+        return job
+
+    job = run(scenario())
+    assert job.chunks == ["a", "b"] and job.status is Status.COMPLETED and job.output == ["a", "b"]
+    assert job.public()["output"] == ["a", "b"] and job.done_reports == 1
+
+
+def test_failed_job_keeps_its_error():
+    async def scenario():
+        store = JobStore()
+        job = await store.submit({})
+        await store.take("w", 1, timeout=0)
+        await store.finish(job.id, "w", {"error": '{"message": "bad"}'})
+        return job, store.health(60)
+
+    job, health = run(scenario())
+    assert job.status is Status.FAILED and job.public()["error"] == '{"message": "bad"}'
+    assert health["jobs"]["failed"] == 1
+
+
+def test_cancel_in_progress_signals_its_worker_and_ignores_its_result():
+    async def scenario():
+        store = JobStore()
+        job = await store.submit({})
+        await store.take("w", 1, timeout=0)
+        await store.cancel(job.id)
+        stops = await store.stop_signals("w", timeout=0.1)
+        await store.finish(job.id, "w", {"output": ["x"]})
+        return job, stops, await store.stop_signals("w", timeout=0.05)
+
+    job, stops, again = run(scenario())
+    assert stops == [job.id] and again == []
+    assert job.status is Status.CANCELLED and job.output is None and "output" not in job.public()
+
+
+def test_cancel_queued_job_and_purge():
+    async def scenario():
+        store = JobStore()
+        a, b, c = [await store.submit({}) for _ in range(3)]
+        await store.cancel(a.id)
+        purged = await store.purge()
+        return store, (a, b, c), purged, await store.take("w", 5, timeout=0.05)
+
+    store, jobs, purged, taken = run(scenario())
+    assert purged == 2 and taken == [] and all(j.status is Status.CANCELLED for j in jobs)
+    assert store.health(60)["jobs"]["inQueue"] == 0
+
+
+def test_reports_from_another_worker_are_ignored():
+    async def scenario():
+        store = JobStore()
+        job = await store.submit({})
+        await store.take("w1", 1, timeout=0)
+        await store.finish(job.id, "w2", {"output": ["x"]})
+        return job
+
+    assert run(scenario()).status is Status.IN_PROGRESS
+
+
+def test_a_lost_worker_fails_its_jobs_and_leaves_the_health_count():
+    async def scenario():
+        store = JobStore()
+        job = await store.submit({})
+        await store.take("w", 1, timeout=0)
+        before = store.health(60)["workers"]
+        await store.forget("w")
+        return job, before, store.health(60)["workers"]
+
+    job, before, after = run(scenario())
+    assert before == {"idle": 0, "running": 1, "ready": 1} and after["ready"] == 0
+    assert job.status is Status.FAILED and "exited" in job.error
