@@ -53,23 +53,38 @@ class LocalEndpoint:
         return self.proc.wait(timeout=90)
 
 
-def foreign_engine_cores() -> set[int]:
-    """vLLM engine processes on this machine not started by this test process."""
-    ps = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-    return {int(pid) for pid, ppid, *args in map(str.split, ps.splitlines())
-            if args and args[0] == "VLLM::EngineCore" and int(ppid) != os.getpid()}
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: workers, vLLM's engine processes, the SDK's heartbeat."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for child, parent in (map(int, line.split()) for line in ps.splitlines()):
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has exited too
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
     """Two tiny-model workers on one queue; vLLM logs requests, so aborts are visible."""
-    before = foreign_engine_cores()
     local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true"}, 2,
                           tmp_path_factory.mktemp("endpoint") / "endpoint.log")
     yield local
+    spawned = descendants(local.proc.pid)
+    assert len(spawned) >= 6  # 2 × (worker, engine core, engine worker, heartbeat)
     assert local.stop() == 0
-    time.sleep(1)
-    assert foreign_engine_cores() <= before, "the workers left vLLM processes behind"
+    wait_for(lambda: not any(alive(pid) for pid in spawned), 10)  # nothing orphaned
 
 
 @pytest.fixture(scope="module")
