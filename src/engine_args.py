@@ -434,12 +434,14 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     errors: list[str] = []
     baked_file = _read_baked(baked_args_file, errors)
     baked = _baked_layer(parser, baked_file, baked_args_file, errors)
-    merged: dict[str, Setting] = {}
-    for layer in (_worker_defaults_layer(parser, errors), baked,
-                  _config_file_layer(parser, config_file, errors),
-                  _env_layer(parser, env, errors), _alias_layer(parser, env, errors)):
-        merged |= layer
+    layers = [_worker_defaults_layer(parser, errors), baked,
+              _config_file_layer(parser, config_file, errors),
+              _env_layer(parser, env, errors), _alias_layer(parser, env, errors)]
+    merged = {dest: s for layer in layers for dest, s in layer.items()}
     baked_model = _use_baked_copies(merged, baked, baked_file)
+    if baked and merged.get("model") is not baked.get("model"):
+        # Another model is served: the baked tokenizer, quantization, ... describe the baked one.
+        merged = {dest: s for layer in layers if layer is not baked for dest, s in layer.items()}
     if baked_model and "served_model_name" not in merged:
         merged["served_model_name"] = Setting(
             "served_model_name", ("--served-model-name", baked_model), "baked model id",

@@ -107,10 +107,12 @@ def test_baked_model_served_when_env_names_its_repo(files):
 
 
 def test_env_can_replace_the_baked_model(files):
-    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model")
+    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model", TOKENIZER_NAME="/models/tok",
+                      QUANTIZATION="awq")
     resolved = resolve(files, MODEL_NAME="other/model")
-    assert resolved.engine_args.model == "other/model"
-    assert resolved.baked_model is None and resolved.engine_args.served_model_name is None
+    args = resolved.engine_args
+    assert (args.model, args.tokenizer, args.quantization) == ("other/model", None, None)
+    assert resolved.baked_model is None and args.served_model_name is None
 
 
 def test_explicit_served_name_wins_over_baked_repo_id(files):

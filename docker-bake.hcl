@@ -1,0 +1,80 @@
+# docker buildx bake                                  the worker image, no model baked in
+# MODEL_NAME=org/name docker buildx bake worker-baked  the worker with org/name baked in
+# Every variable can be set the same way (from the environment) or with --set. The Hugging Face
+# token for gated or private models is read from the HF_TOKEN environment variable as a BuildKit
+# secret: it never becomes a build arg or part of a layer.
+
+variable "DOCKERHUB_REPO" {
+  default = "runpod"
+}
+
+variable "DOCKERHUB_IMG" {
+  default = "worker-v1-vllm"
+}
+
+variable "RELEASE_VERSION" {
+  default = "v0.1.0"
+}
+
+# The vLLM release of the base image: the one the CPU test suite runs.
+variable "VLLM_VERSION" {
+  default = "0.32.0"
+}
+
+variable "VLLM_NIGHTLY" {
+  default = "false"
+}
+
+variable "BASE_PATH" {
+  default = "/runpod-volume"
+}
+
+variable "MODEL_NAME" {
+  default = ""
+}
+
+variable "MODEL_REVISION" {
+  default = ""
+}
+
+variable "TOKENIZER_NAME" {
+  default = ""
+}
+
+variable "TOKENIZER_REVISION" {
+  default = ""
+}
+
+variable "QUANTIZATION" {
+  default = ""
+}
+
+group "default" {
+  targets = ["worker"]
+}
+
+target "worker" {
+  context    = "."
+  dockerfile = "Dockerfile"
+  platforms  = ["linux/amd64"]
+  tags       = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}"]
+  args = {
+    VLLM_VERSION = VLLM_VERSION
+    VLLM_NIGHTLY = VLLM_NIGHTLY
+    BASE_PATH    = BASE_PATH
+  }
+}
+
+# The worker with a model baked in; tagged with the model's name.
+target "worker-baked" {
+  inherits = ["worker"]
+  tags     = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-${regex_replace(lower(MODEL_NAME), "[^a-z0-9_.-]+", "-")}"]
+  secret   = ["id=HF_TOKEN,env=HF_TOKEN"]
+  args = {
+    MODEL_NAME         = MODEL_NAME
+    MODEL_REVISION     = MODEL_REVISION
+    TOKENIZER_NAME     = TOKENIZER_NAME
+    TOKENIZER_REVISION = TOKENIZER_REVISION
+    QUANTIZATION       = QUANTIZATION
+  }
+}

