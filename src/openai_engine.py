@@ -15,6 +15,7 @@ Outputs:
 from __future__ import annotations
 
 import argparse
+import codecs
 import copy
 import json
 import logging
@@ -92,9 +93,9 @@ def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
 
 
 async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    buffer = ""
+    buffer, decoder = "", codecs.getincrementaldecoder("utf-8")()  # a chunk may end mid-character
     async for chunk in body:
-        events, buffer = _split_events(buffer + chunk.decode())
+        events, buffer = _split_events(buffer + decoder.decode(chunk))
         for event in events:
             yield event
     if buffer.strip():
@@ -109,7 +110,6 @@ class OpenAIvLLMEngine:
         """``namespace`` and ``settings`` default to the engine's own configuration."""
         self.engine = vllm_engine
         self.settings = settings or vllm_engine.settings
-        self.raw_openai_output = self.settings.raw_openai_output
         self.namespace = copy.copy(namespace or vllm_engine.config.args.namespace)
         if override := self.settings.openai_served_model_name_override:
             self.namespace.served_model_name = [override]
@@ -154,7 +154,7 @@ class OpenAIvLLMEngine:
                 return
             size = job_batch_size(job, self.settings)
             async for batch in batched(_events(response.body), size):
-                if self.raw_openai_output:
+                if self.settings.raw_openai_output:
                     yield "".join(batch)
                 elif parsed := [obj for obj in map(_event_json, batch) if obj is not None]:
                     yield parsed
