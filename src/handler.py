@@ -17,11 +17,13 @@ engine itself is dead: then the worker exits with status 1 and RunPod replaces i
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import sys
 import threading
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from typing import Any
 
 from errors import ConfigError, RequestError, create_error_response, error_from_exception, is_fatal
@@ -54,9 +56,16 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         what = f"route {job_input.openai_route!r}" if job_input.openai_route else "raw jobs"
         yield create_error_response(f"this worker does not serve {what}")
         return
+    timeout = job_input.timeout or engine.settings.job_timeout
     try:
-        async for item in engine.generate(job_input):
-            yield item
+        # On expiry the job's generator is cancelled, which aborts its vLLM request.
+        async with asyncio.timeout(timeout):
+            async for item in engine.generate(job_input):
+                yield item
+    except TimeoutError:
+        log.warning("Job %s ran past its %s s timeout; aborted", job.get("id"), timeout)
+        yield create_error_response(f"the job ran past its timeout of {timeout:g} s and was aborted",
+                                    status_code=HTTPStatus.REQUEST_TIMEOUT, param="timeout")
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
         if is_fatal(exc):
             log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)

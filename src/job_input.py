@@ -38,6 +38,7 @@ class JobInput(BaseModel):
     batch_size_growth_factor: float | None = Field(None, ge=1, allow_inf_nan=False)
     openai_route: str | None = None
     openai_input: dict[str, Any] | None = None
+    timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds; else JOB_TIMEOUT
     # Not an input field: vLLM needs unique ids, so a client cannot choose one.
     _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
 

@@ -47,6 +47,8 @@ class WorkerSettings(BaseModel):
     raw_openai_output: bool = Field(True, validation_alias=_env("RAW_OPENAI_OUTPUT"))
     openai_served_model_name_override: str | None = Field(
         None, validation_alias=_env("OPENAI_SERVED_MODEL_NAME_OVERRIDE"))
+    job_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
+                                      validation_alias=_env("JOB_TIMEOUT"))
 
     @classmethod
     def env_names(cls) -> frozenset[str]:

@@ -6,11 +6,14 @@ import pytest
 
 import handler
 from errors import RequestError, is_fatal
+from settings import WorkerSettings
 from tokenizer import NO_TEMPLATE, TokenizerWrapper
 from vllm_adapter import EngineDeadError
 
 
 class FailingEngine:
+    settings = WorkerSettings()
+
     def __init__(self, exc):
         self.exc = exc
 
@@ -67,3 +70,26 @@ def test_missing_chat_template_is_a_clear_error():
 def test_custom_chat_template_is_used_and_strings_become_user_messages():
     wrapper = TokenizerWrapper(PlainTokenizer(), "<u>{{ content }}</u>")
     assert wrapper.has_chat_template and wrapper.apply_chat_template("hi") == "<u>hi</u>"
+
+
+class SlowEngine:
+    def __init__(self, job_timeout=None):
+        self.settings = WorkerSettings(JOB_TIMEOUT=job_timeout) if job_timeout else WorkerSettings()
+        self.closed = False
+
+    async def generate(self, job_input):
+        try:
+            while True:
+                yield {"choices": [{"tokens": ["x"]}], "usage": {"input": 1, "output": 1}}
+                await asyncio.sleep(0.05)
+        finally:
+            self.closed = True
+
+
+@pytest.mark.parametrize(("job_timeout", "job_keys", "limit"), [(None, {"timeout": 0.3}, 0.3),
+                                                                (0.2, {}, 0.2), (5, {"timeout": 0.2}, 0.2)])
+def test_jobs_past_their_timeout_are_aborted(monkeypatch, job_timeout, job_keys, limit):
+    engine = SlowEngine(job_timeout)
+    items = run({"id": "j", "input": {"prompt": "x", **job_keys}}, engine, monkeypatch)
+    assert items[-1]["error"]["code"] == 408 and f"{limit:g} s" in items[-1]["error"]["message"]
+    assert 2 <= len(items) - 1 <= limit / 0.05 + 2 and engine.closed  # the source was closed
