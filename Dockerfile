@@ -24,6 +24,7 @@ ENV HF_HOME=${BASE_PATH}/huggingface-cache \
     HUGGINGFACE_HUB_CACHE=${BASE_PATH}/huggingface-cache/hub \
     HF_DATASETS_CACHE=${BASE_PATH}/huggingface-cache/datasets \
     PYTHONUNBUFFERED=1 \
+    RUNPOD_DEBUG_LEVEL=INFO \
     PYTHONPATH=/src
 
 # Optional baked model (nothing is baked when MODEL_NAME is empty). The script is copied on its own

@@ -50,8 +50,10 @@ def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, 
 
 
 def snippet(base: str, api_key: str | None) -> str:
-    return (f'from openai import OpenAI\n'
-            f'client = OpenAI(base_url="{base}/openai/v1", api_key="{api_key or "local"}")\n'
+    # The key itself is never printed: logs must not carry secrets.
+    key = 'os.environ["ENDPOINT_API_KEY"]' if api_key else '"local"'
+    return (('import os\n' if api_key else '') + 'from openai import OpenAI\n'
+            f'client = OpenAI(base_url="{base}/openai/v1", api_key={key})\n'
             f'model = client.models.list().data[0].id\n'
             f'answer = client.chat.completions.create(model=model, messages=[\n'
             f'    {{"role": "user", "content": "What is the capital of France?"}}])\n'

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -35,11 +36,21 @@ log = logging.getLogger("handler")
 vllm_engine = None
 openai_engine = None
 
-# Seconds between a fatal engine error and the exit: time to report the failing jobs.
-FATAL_EXIT_DELAY = 2.0
+# At most this many seconds between a fatal engine error and the exit (time to report jobs).
+FATAL_EXIT_DELAY = 3.0
+_engine_dead = threading.Event()
 
 
 def _exit_soon(code: int) -> None:
+    """Stop taking jobs now, report the ones in flight, then exit with ``code``.
+
+    SIGTERM makes the runpod SDK stop fetching jobs and finish (here: fail) those it holds;
+    main() then exits with ``code``. The timer is the backstop if that takes too long.
+    """
+    if _engine_dead.is_set():
+        return
+    _engine_dead.set()
+    os.kill(os.getpid(), signal.SIGTERM)
     timer = threading.Timer(FATAL_EXIT_DELAY, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
@@ -112,6 +123,8 @@ def main() -> None:
         })
     finally:  # the SDK returns after SIGTERM: stop vLLM's processes rather than orphan them
         vllm_engine.shutdown()
+    if _engine_dead.is_set():
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ import pytest
 import runpod
 from conftest import CPU_ENV, REPO, free_port
 
-API_KEY = "test-key"
+API_KEY = "test-key-5f1c"
+HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
 
 
 class LocalEndpoint:
@@ -78,7 +79,7 @@ def alive(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
     """Two tiny-model workers on one queue; vLLM logs requests, so aborts are visible."""
-    local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true"}, 2,
+    local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true", "HF_TOKEN": HF_TOKEN}, 2,
                           tmp_path_factory.mktemp("endpoint") / "endpoint.log")
     yield local
     spawned = descendants(local.proc.pid)
@@ -306,3 +307,10 @@ def test_time_to_first_answer(endpoint):
     """Not a timed test: records the figure for the closing note."""
     print(json.dumps({"ready_after_s": round(endpoint.ready_after, 1)}))
     assert endpoint.ready_after > 0
+
+
+def test_no_secret_in_any_log_line(endpoint):
+    """Runs last in this module: every worker's and the endpoint's output so far."""
+    log = endpoint.log()
+    assert "worker(s) ready" in log and "Finished." in log
+    assert HF_TOKEN not in log and API_KEY not in log
