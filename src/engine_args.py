@@ -455,7 +455,26 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
         errors += validate_frontend_args(namespace)
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return ResolvedArgs(namespace, AsyncEngineArgs.from_cli_args(namespace), merged, baked_model)
+    _check_local_model(merged["model"])
+    try:
+        engine_args = AsyncEngineArgs.from_cli_args(namespace)
+    except (OSError, ValueError) as exc:  # e.g. offline with a repo id that is not in the cache
+        raise ConfigError(f"invalid configuration:\n  {merged['model'].source}: {exc}") from None
+    return ResolvedArgs(namespace, engine_args, merged, baked_model)
+
+
+def _check_local_model(setting: Setting) -> None:
+    """A model given as a path must be a model folder: say so now, not in a traceback later."""
+    path = Path(str(setting.value))
+    if not (path.is_absolute() or str(setting.value).startswith(".")):
+        return  # a hub repo id
+    if not path.is_dir():
+        problem = "no such directory"
+    elif not (path / "config.json").is_file() and not any(path.glob("*.gguf")):
+        problem = "not a model folder (no config.json)"
+    else:
+        return
+    raise ConfigError(f"invalid configuration:\n  {setting.source}={setting.value!r}: {problem}")
 
 
 def get_engine_args(env: Mapping[str, str] | None = None) -> AsyncEngineArgs:

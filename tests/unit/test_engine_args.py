@@ -41,6 +41,13 @@ def files(tmp_path):
         def write_yaml(self, text: str) -> None:
             self.config.write_text(text)
 
+        def model(self, name: str) -> str:
+            """A (minimal) local model folder."""
+            folder = tmp_path / name
+            folder.mkdir(exist_ok=True)
+            (folder / "config.json").write_text("{}")
+            return str(folder)
+
         def write_baked(self, **values) -> None:
             self.baked.write_text(json.dumps(values))
 
@@ -64,14 +71,15 @@ def test_env_beats_config_file(files):
 
 
 def test_config_file_beats_baked_args(files):
-    files.write_baked(MODEL_NAME="/baked/model", MAX_NUM_SEQS=8)
+    baked = files.model("baked")
+    files.write_baked(MODEL_NAME=baked, MAX_NUM_SEQS=8)
     files.write_yaml("max_num_seqs: 16\n")
     args = resolve(files).engine_args
-    assert (args.model, args.max_num_seqs) == ("/baked/model", 16)
+    assert (args.model, args.max_num_seqs) == (baked, 16)
 
 
 def test_baked_args_beat_worker_defaults(files):
-    files.write_baked(MODEL_NAME="/baked/model", GPU_MEMORY_UTILIZATION=0.5)
+    files.write_baked(MODEL_NAME=files.model("baked"), GPU_MEMORY_UTILIZATION=0.5)
     assert resolve(files).engine_args.gpu_memory_utilization == 0.5
 
 
@@ -97,18 +105,19 @@ def test_sources_are_recorded(files):
 # --- baked images ------------------------------------------------------------------------------
 
 def test_baked_model_served_when_env_names_its_repo(files):
-    files.write_baked(MODEL_NAME="/models/snap", TOKENIZER_NAME="/models/tok",
+    snap = files.model("snap")
+    files.write_baked(MODEL_NAME=snap, TOKENIZER_NAME="/models/tok",
                       BAKED_MODEL_NAME="org/model", BAKED_TOKENIZER_NAME="org/tok")
     resolved = resolve(files, MODEL_NAME="org/model", TOKENIZER_NAME="org/tok")
     args = resolved.engine_args
-    assert (args.model, args.tokenizer) == ("/models/snap", "/models/tok")
+    assert (args.model, args.tokenizer) == (snap, "/models/tok")
     assert args.served_model_name == ["org/model"]
     assert resolved.baked_model == "org/model"
 
 
 def test_env_can_replace_the_baked_model(files):
-    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model", TOKENIZER_NAME="/models/tok",
-                      QUANTIZATION="awq")
+    files.write_baked(MODEL_NAME=files.model("snap"), BAKED_MODEL_NAME="org/model",
+                      TOKENIZER_NAME="/models/tok", QUANTIZATION="awq")
     resolved = resolve(files, MODEL_NAME="other/model")
     args = resolved.engine_args
     assert (args.model, args.tokenizer, args.quantization) == ("other/model", None, None)
@@ -116,7 +125,7 @@ def test_env_can_replace_the_baked_model(files):
 
 
 def test_explicit_served_name_wins_over_baked_repo_id(files):
-    files.write_baked(MODEL_NAME="/models/snap", BAKED_MODEL_NAME="org/model")
+    files.write_baked(MODEL_NAME=files.model("snap"), BAKED_MODEL_NAME="org/model")
     assert resolve(files, SERVED_MODEL_NAME="mine").engine_args.served_model_name == ["mine"]
 
 
@@ -273,6 +282,16 @@ def test_all_problems_reported_at_once(files):
     with pytest.raises(ConfigError) as raised:
         load_config(files.env(MODEL_NAME="m", MAX_MODEL_LEN="x", DTYPE="y", MAX_CONCURRENCY="z"))
     assert all(n in str(raised.value) for n in ("MAX_MODEL_LEN", "DTYPE", "MAX_CONCURRENCY"))
+
+
+@pytest.mark.parametrize(("make", "fragment"), [
+    (lambda files: "/nonexistent/model", "no such directory"),
+    (lambda files: str(files.config.parent), r"not a model folder \(no config.json\)"),
+])
+def test_a_model_path_that_is_not_a_model_is_an_error(files, make, fragment):
+    with pytest.raises(ConfigError, match=fragment) as raised:
+        resolve(files, MODEL_NAME=make(files))
+    assert "env MODEL_NAME=" in str(raised.value)
 
 
 def test_missing_model_is_an_error(files):

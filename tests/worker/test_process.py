@@ -30,6 +30,7 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
     ({"MAX_MODEL_LEN": "abc"}, "MAX_MODEL_LEN='abc'"),
     ({"MAX_CONCURRENCY": "lots"}, "MAX_CONCURRENCY='lots'"),
     ({"LORA_MODULES": '{"name": "a"}'}, "LORA_MODULES"),
+    ({"MODEL_NAME": "/nonexistent/model"}, "MODEL_NAME='/nonexistent/model': no such directory"),
 ])
 def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
     started = time.monotonic()
