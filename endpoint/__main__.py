@@ -104,7 +104,7 @@ class Supervisor:
 async def serve(args: argparse.Namespace) -> None:
     store = JobStore()
     config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key)
-    runner = web.AppRunner(create_app(config, store))
+    runner = web.AppRunner(create_app(config, store), handler_cancellation=True)  # client gone: stop its job
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"

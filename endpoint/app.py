@@ -12,6 +12,7 @@ Worker face, RunPod's job protocol, which the real ``runpod.serverless.start`` l
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -162,7 +163,15 @@ class Endpoint:
         if body is not None and not isinstance(body, dict):
             return _openai_error(400, "the request body must be a JSON object", anthropic)
         job = await self.store.submit({"openai_route": route, "openai_input": body})
-        if isinstance(body, dict) and body.get("stream"):
+        try:
+            return await self._answer(request, job, anthropic, stream=bool(body and body.get("stream")))
+        finally:  # the client left (aiohttp cancels this handler) or the answer is sent
+            if not job.final:
+                await asyncio.shield(self.store.cancel(job.id))
+
+    async def _answer(self, request: web.Request, job: Job, anthropic: bool,
+                      stream: bool) -> web.StreamResponse:
+        if stream:
             return await self._relay_stream(request, job, anthropic)
         await self.store.wait_for(lambda: job.final, self.config.runsync_wait_seconds)
         if job.status is Status.COMPLETED:
@@ -170,7 +179,6 @@ class Endpoint:
             return web.json_response(output)
         if job.status is Status.FAILED:
             return _failed_job_response(job, anthropic)
-        await self.store.cancel(job.id)
         return _openai_error(504, f"no answer within {self.config.runsync_wait_seconds:.0f} s", anthropic)
 
     async def _relay_stream(self, request: web.Request, job: Job, anthropic: bool) -> web.StreamResponse:
@@ -193,9 +201,9 @@ class Endpoint:
                     break
             if job.status is Status.FAILED:
                 await response.write(f"data: {json.dumps({'error': job.error})}\n\n".encode())
-        except ConnectionResetError:  # the client left: stop the job on its worker
-            await self.store.cancel(job.id)
-        await response.write_eof()
+            await response.write_eof()
+        except ConnectionResetError:  # the client left; the caller stops the job
+            pass
         return response
 
     # --- worker face ---------------------------------------------------------------------------

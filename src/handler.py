@@ -23,12 +23,24 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from errors import ConfigError, RequestError, create_error_response, error_from_exception, is_fatal
+from deadlines import DeadlinePassed, Deadlines
+from errors import (
+    ConfigError,
+    ErrorPayload,
+    RequestError,
+    create_error_response,
+    error_from_exception,
+    is_fatal,
+)
 from job_input import JobInput
+
+if TYPE_CHECKING:
+    from settings import WorkerSettings
 
 log = logging.getLogger("handler")
 
@@ -39,6 +51,7 @@ openai_engine = None
 # At most this many seconds between a fatal engine error and the exit (time to report jobs).
 FATAL_EXIT_DELAY = 3.0
 _engine_dead = threading.Event()
+deadlines = Deadlines()
 
 
 def _exit_soon(code: int) -> None:
@@ -56,6 +69,39 @@ def _exit_soon(code: int) -> None:
     timer.start()
 
 
+def _deadline_error(job_id: Any, passed: DeadlinePassed, timeout: float | None,
+                    grace_period: float) -> ErrorPayload:
+    if passed.shutdown:
+        log.warning("Job %s still running at the end of the shutdown grace period; aborted", job_id)
+        return create_error_response(
+            f"the worker is shutting down and the job did not finish within the {grace_period:g} s "
+            "grace period (SHUTDOWN_GRACE_PERIOD); it was aborted",
+            status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+    log.warning("Job %s ran past its %s s timeout; aborted", job_id, timeout)
+    return create_error_response(f"the job ran past its timeout of {timeout:g} s and was aborted",
+                                 status_code=HTTPStatus.REQUEST_TIMEOUT, param="timeout")
+
+
+def _add_grace_period(grace_period: float) -> None:
+    """On SIGTERM or SIGINT, bound the jobs in flight by ``grace_period`` and tell the SDK.
+
+    Called from the SDK's job loop, after the SDK installed its own handlers, which stop taking
+    jobs but then wait for the jobs in flight without a limit.
+    """
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        sdk_handler = signal.getsignal(sig)
+
+        def on_signal(sig=sig, sdk_handler=sdk_handler) -> None:
+            waiting = deadlines.begin_shutdown(grace_period)
+            log.info("%s: taking no more jobs; %d in flight get up to %g s to finish",
+                     sig.name, waiting, grace_period)
+            if callable(sdk_handler):
+                sdk_handler(sig, None)
+
+        loop.add_signal_handler(sig, on_signal)
+
+
 async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     try:
         job_input = JobInput.from_job(job)
@@ -69,14 +115,10 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         return
     timeout = job_input.timeout or engine.settings.job_timeout
     try:
-        # On expiry the job's generator is cancelled, which aborts its vLLM request.
-        async with asyncio.timeout(timeout):
-            async for item in engine.generate(job_input):
-                yield item
-    except TimeoutError:
-        log.warning("Job %s ran past its %s s timeout; aborted", job.get("id"), timeout)
-        yield create_error_response(f"the job ran past its timeout of {timeout:g} s and was aborted",
-                                    status_code=HTTPStatus.REQUEST_TIMEOUT, param="timeout")
+        async for item in deadlines.bound(engine.generate(job_input), timeout):
+            yield item
+    except DeadlinePassed as passed:
+        yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
         if is_fatal(exc):
             log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
@@ -91,9 +133,29 @@ def _configure_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def _concurrency(settings: WorkerSettings) -> Callable[[int], int]:
+    """The SDK's concurrency modifier; its first call, in the SDK's job loop, adds the grace period."""
+    grace_added = False
+
+    def concurrency(_current: int) -> int:
+        nonlocal grace_added
+        if not grace_added:
+            _add_grace_period(settings.shutdown_grace_period)
+            grace_added = True
+        return settings.max_concurrency
+
+    return concurrency
+
+
 def main() -> None:
     global vllm_engine, openai_engine
     _configure_logging()
+    phases, mark = {}, time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        phases[name], mark = time.perf_counter() - mark, time.perf_counter()
+
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
@@ -103,22 +165,27 @@ def main() -> None:
     from openai_engine import OpenAIvLLMEngine
     from settings import load_config
 
+    phase("imports")
     try:
         config = load_config()
     except ConfigError as exc:
         log.error("Worker configuration error: %s", exc)
         sys.exit(2)
+    phase("config")
     try:
         vllm_engine = vLLMEngine(config)
+        phase("engine")
         openai_engine = OpenAIvLLMEngine(vllm_engine)
+        phase("serving")
     except Exception:
         log.exception("Worker startup failed")
         sys.exit(1)
-    log.info("Worker ready: taking up to %d concurrent jobs", config.settings.max_concurrency)
+    log.info("Worker ready: taking up to %d concurrent jobs; start-up %s", config.settings.max_concurrency,
+             " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()))
     try:
         runpod.serverless.start({
             "handler": handler,
-            "concurrency_modifier": lambda _current: config.settings.max_concurrency,
+            "concurrency_modifier": _concurrency(config.settings),
             "return_aggregate_stream": True,
         })
     finally:  # the SDK returns after SIGTERM: stop vLLM's processes rather than orphan them

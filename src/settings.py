@@ -49,6 +49,9 @@ class WorkerSettings(BaseModel):
         None, validation_alias=_env("OPENAI_SERVED_MODEL_NAME_OVERRIDE"))
     job_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
                                       validation_alias=_env("JOB_TIMEOUT"))
+    # After SIGTERM, jobs in flight may run this long before they are aborted and reported.
+    shutdown_grace_period: float = Field(25.0, ge=0, allow_inf_nan=False,
+                                         validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
 
     @classmethod
     def env_names(cls) -> frozenset[str]:

@@ -4,10 +4,7 @@ engine), driven by the unmodified openai, anthropic and runpod client libraries.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import time
 
 import anthropic
@@ -15,65 +12,7 @@ import httpx
 import openai
 import pytest
 import runpod
-from conftest import CPU_ENV, REPO, free_port
-
-API_KEY = "test-key-5f1c"
-HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
-
-
-class LocalEndpoint:
-    def __init__(self, env: dict[str, str], workers: int, log_path) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}/v2/local"
-        self.log_path = log_path
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "endpoint", "--port", str(self.port), "--workers", str(workers),
-             "--api-key", API_KEY],
-            cwd=REPO, env={**os.environ, **CPU_ENV, **env},
-            stdout=log_path.open("w"), stderr=subprocess.STDOUT)
-        self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
-                                 timeout=120)
-        self.ready_after = self._wait_ready(workers)
-
-    def _wait_ready(self, workers: int) -> float:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            if "worker(s) ready" in self.log():
-                assert self.http.get("/health").json()["workers"]["ready"] == workers
-                return time.monotonic() - self.started
-            time.sleep(0.5)
-        self.stop()
-        pytest.fail("endpoint did not become ready:\n" + self.log()[-4000:])
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(timeout=90)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``: workers, vLLM's engine processes, the SDK's heartbeat."""
-    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for child, parent in (map(int, line.split()) for line in ps.splitlines()):
-        children.setdefault(parent, []).append(child)
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"  # a zombie has exited too
-    except FileNotFoundError:
-        return False
+from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, alive, descendants, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -217,15 +156,6 @@ def test_runpod_cancel(runpod_endpoint, endpoint):
 
 # --- RunPod API directly --------------------------------------------------------------------
 
-def wait_for(predicate, timeout: float) -> float:
-    """Seconds until ``predicate()`` held; fails after ``timeout``."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, "condition not met in time"
-        time.sleep(0.02)
-    return time.monotonic() - started
-
-
 def test_stream_returns_chunks_before_the_job_ends(endpoint):
     job = endpoint.http.post("/run", json={"input": {
         "prompt": "x", "stream": True, "sampling_params": {"max_tokens": 600, "ignore_eos": True}}}).json()
@@ -252,6 +182,21 @@ def test_cancel_aborts_the_vllm_request_within_a_second(endpoint):
     time.sleep(0.5)  # whatever the worker still posts is ignored
     status = endpoint.http.get(f"/status/{job['id']}").json()
     assert status["status"] == "CANCELLED" and "output" not in status
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_openai_client_that_leaves_stops_its_job_within_a_second(endpoint, model, stream):
+    aborts = endpoint.log().count("Aborted request(s)")
+    cancelled = endpoint.http.get("/health").json()["jobs"]["cancelled"]
+    body = {"model": model, "prompt": "x", "max_tokens": 1800, "ignore_eos": True, "stream": stream}
+    if stream:
+        with endpoint.http.stream("POST", "/openai/v1/completions", json=body) as response:
+            next(response.iter_bytes())
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            endpoint.http.post("/openai/v1/completions", json=body, timeout=3)
+    assert wait_for(lambda: endpoint.log().count("Aborted request(s)") > aborts, 1.0) < 1.0
+    assert endpoint.http.get("/health").json()["jobs"]["cancelled"] == cancelled + 1
 
 
 def test_openai_stream_is_relayed_chunk_by_chunk(endpoint, model):

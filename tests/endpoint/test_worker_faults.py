@@ -1,5 +1,6 @@
 """Faults under running jobs, through the local endpoint and the real worker loop: a dead engine
-makes its worker fail the job and exit non-zero; SIGTERM lets the in-flight job finish."""
+makes its worker fail the job and exit non-zero; SIGTERM lets in-flight jobs finish within the
+grace period, aborts the rest with an error, and exits zero."""
 
 from __future__ import annotations
 
@@ -9,25 +10,11 @@ import signal
 import time
 
 import pytest
-from test_local_endpoint import LocalEndpoint, descendants, wait_for
+from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, descendants, wait_for, worker_pids
 
-LONG = {"prompt": "x", "sampling_params": {"max_tokens": 1500, "ignore_eos": True}}
-
-
-def worker_pids(endpoint: LocalEndpoint) -> dict[str, int]:
-    """Worker id → pid of the endpoint's direct children (the workers), from their environment."""
-    pids = {}
-    for pid in descendants(endpoint.proc.pid):
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/environ", "rb") as env:
-                variables = dict(v.split(b"=", 1) for v in env.read().split(b"\0") if b"=" in v)
-        except OSError:
-            continue
-        if parent == endpoint.proc.pid and b"RUNPOD_POD_ID" in variables:
-            pids[variables[b"RUNPOD_POD_ID"].decode()] = pid
-    return pids
+LONG = {"prompt": "x", "sampling_params": {"max_tokens": 1900, "ignore_eos": True}}
+SHORT = {"prompt": "x", "sampling_params": {"max_tokens": 40, "ignore_eos": True}}
+GRACE = 4.0
 
 
 def engine_core_of(worker_pid: int) -> int:
@@ -39,15 +26,18 @@ def engine_core_of(worker_pid: int) -> int:
     return core
 
 
-def running_job(endpoint: LocalEndpoint) -> dict:
-    job = endpoint.http.post("/run", json={"input": LONG}).json()
+def running_job(endpoint: LocalEndpoint, job_input: dict = LONG) -> dict:
+    job = endpoint.http.post("/run", json={"input": job_input}).json()
     wait_for(lambda: endpoint.http.get(f"/status/{job['id']}").json()["status"] == "IN_PROGRESS", 30)
     return endpoint.http.get(f"/status/{job['id']}").json()
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
-    local = LocalEndpoint(tiny_env, 2, tmp_path_factory.mktemp("faults") / "endpoint.log")
+    """Two workers, everything logging at DEBUG, with secrets set (checked by the last test)."""
+    debug = {"LOG_LEVEL": "DEBUG", "RUNPOD_DEBUG_LEVEL": "DEBUG", "VLLM_LOGGING_LEVEL": "DEBUG"}
+    local = LocalEndpoint({**tiny_env, **debug, "SHUTDOWN_GRACE_PERIOD": str(GRACE), "HF_TOKEN": HF_TOKEN},
+                          2, tmp_path_factory.mktemp("faults") / "endpoint.log")
     yield local
     local.stop()
 
@@ -57,8 +47,12 @@ def exit_status(endpoint: LocalEndpoint, worker: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+JOBS: list[str] = []  # every job these tests ran
+
+
 def test_a_dead_engine_fails_its_job_and_its_worker_exits_non_zero(endpoint):
     job = running_job(endpoint)
+    JOBS.append(job["id"])
     worker = job["workerId"]
     os.kill(engine_core_of(worker_pids(endpoint)[worker]), signal.SIGKILL)
     killed = time.monotonic()
@@ -69,11 +63,31 @@ def test_a_dead_engine_fails_its_job_and_its_worker_exits_non_zero(endpoint):
     assert endpoint.http.get("/health").json()["workers"]["ready"] == 1
 
 
-def test_sigterm_lets_the_running_job_finish_then_exits_zero(endpoint):
-    job = running_job(endpoint)  # on the one worker left
-    worker = job["workerId"]
+def test_sigterm_finishes_jobs_within_the_grace_period_aborts_the_rest_then_exits_zero(endpoint):
+    long = running_job(endpoint)  # both on the one worker left
+    short = running_job(endpoint, SHORT)
+    JOBS.extend([long["id"], short["id"]])
+    worker = long["workerId"]
+    assert short["workerId"] == worker
     os.kill(worker_pids(endpoint)[worker], signal.SIGTERM)
-    wait_for(lambda: endpoint.http.get(f"/status/{job['id']}").json()["status"] == "COMPLETED", 60)
-    assert endpoint.http.get(f"/status/{job['id']}").json()["output"][0]["usage"]["output"] == 1500
+    signalled = time.monotonic()
+
+    def status(job):
+        return endpoint.http.get(f"/status/{job['id']}").json()
+
+    wait_for(lambda: status(long)["status"] == "FAILED", GRACE + 3)
+    assert time.monotonic() - signalled >= GRACE - 0.5
+    assert "SHUTDOWN_GRACE_PERIOD" in status(long)["error"] and "503" in status(long)["error"]
+    assert status(short)["status"] == "COMPLETED" and status(short)["output"][0]["usage"]["output"] == 40
     wait_for(lambda: exit_status(endpoint, worker) is not None, 30)
     assert exit_status(endpoint, worker) == 0
+
+
+def test_no_secret_in_any_log_line_or_job_error_at_debug(endpoint):
+    """Runs last: the endpoint's and both workers' output (engine death and shutdown included)."""
+    statuses = [endpoint.http.get(f"/status/{job_id}").text for job_id in JOBS]
+    endpoint.stop()
+    log = endpoint.log()
+    assert "DEBUG" in log and "EngineCore" in log and "Finished." in log and len(statuses) == 3
+    for text in [log, *statuses]:
+        assert HF_TOKEN not in text and API_KEY not in text

@@ -351,3 +351,14 @@ def test_worker_settings_documented_spellings():
     assert (s.min_batch_size, s.batch_size_growth_factor, s.raw_openai_output, s.max_concurrency) == (
         2, 1.5, False, 8)
     assert load_settings({"MIN_BATCH_SIZE": "3", "DEFAULT_MIN_BATCH_SIZE": "2"}).min_batch_size == 3
+
+
+# --- security defaults --------------------------------------------------------------------------
+
+def test_remote_code_and_request_templates_stay_off_unless_set(files):
+    default = resolve(files, MODEL_NAME="m")
+    assert default.engine_args.trust_remote_code is False
+    assert default.namespace.trust_request_chat_template is False
+    opted_in = resolve(files, MODEL_NAME="m", TRUST_REMOTE_CODE="true", TRUST_REQUEST_CHAT_TEMPLATE="1")
+    assert opted_in.engine_args.trust_remote_code is True
+    assert opted_in.namespace.trust_request_chat_template is True

@@ -93,3 +93,18 @@ def test_jobs_past_their_timeout_are_aborted(monkeypatch, job_timeout, job_keys,
     items = run({"id": "j", "input": {"prompt": "x", **job_keys}}, engine, monkeypatch)
     assert items[-1]["error"]["code"] == 408 and f"{limit:g} s" in items[-1]["error"]["message"]
     assert 2 <= len(items) - 1 <= limit / 0.05 + 2 and engine.closed  # the source was closed
+
+
+def test_jobs_still_running_after_the_grace_period_are_aborted_with_503(monkeypatch):
+    shutting_down = handler.Deadlines()
+    monkeypatch.setattr(handler, "deadlines", shutting_down)
+    engine = SlowEngine()
+
+    async def begin_then_run():
+        shutting_down.begin_shutdown(0.2)
+        return [item async for item in handler.handler({"id": "j", "input": {"prompt": "x"}})]
+
+    monkeypatch.setattr(handler, "vllm_engine", engine)
+    items = asyncio.run(begin_then_run())
+    error = items[-1]["error"]
+    assert error["code"] == 503 and "SHUTDOWN_GRACE_PERIOD" in error["message"] and engine.closed

@@ -1,0 +1,96 @@
+"""A local endpoint with real worker processes, for the endpoint tests: start it, wait for it,
+find its processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from conftest import CPU_ENV, REPO, free_port
+
+API_KEY = "test-key-5f1c"  # the workers' RUNPOD_AI_API_KEY too
+HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
+
+
+class LocalEndpoint:
+    def __init__(self, env: dict[str, str], workers: int, log_path) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}/v2/local"
+        self.log_path = log_path
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "endpoint", "--port", str(self.port), "--workers", str(workers),
+             "--api-key", API_KEY],
+            cwd=REPO, env={**os.environ, **CPU_ENV, **env},
+            stdout=log_path.open("w"), stderr=subprocess.STDOUT)
+        self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
+                                 timeout=120)
+        self.ready_after = self._wait_ready(workers)
+
+    def _wait_ready(self, workers: int) -> float:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if "worker(s) ready" in self.log():
+                assert self.http.get("/health").json()["workers"]["ready"] == workers
+                return time.monotonic() - self.started
+            time.sleep(0.5)
+        self.stop()
+        pytest.fail("endpoint did not become ready:\n" + self.log()[-4000:])
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(timeout=90)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: workers, vLLM's engine processes, the SDK's heartbeat."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for child, parent in (map(int, line.split()) for line in ps.splitlines()):
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has exited too
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
+
+
+def worker_pids(endpoint: LocalEndpoint) -> dict[str, int]:
+    """Worker id → pid of the endpoint's direct children (the workers), from their environment."""
+    pids = {}
+    for pid in descendants(endpoint.proc.pid):
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as env:
+                variables = dict(v.split(b"=", 1) for v in env.read().split(b"\0") if b"=" in v)
+        except OSError:
+            continue
+        if parent == endpoint.proc.pid and b"RUNPOD_POD_ID" in variables:
+            pids[variables[b"RUNPOD_POD_ID"].decode()] = pid
+    return pids
