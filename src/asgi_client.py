@@ -12,32 +12,99 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Response", "request"]
 
-_APP_DONE: dict = {"type": "app.done"}
 # How long the app gets to wind down (abort its engine request) after the client goes away.
 _DRAIN_SECONDS = 5.0
+_EVENT_END = b"\n\n"  # the blank line that ends a server-sent event
 
 
-@dataclass
+class _Channel:
+    """The app's ``send``: the response start, then body chunks buffered until the reader wants them.
+
+    The reader is woken only once the buffer holds what it waits for (any chunk, or a number of
+    complete SSE events), so a stream of one event per engine step costs the reader one wake-up per
+    stream batch rather than one per event.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.start: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self.chunks: list[bytes] = []
+        self.events = 0  # event ends in ``chunks`` (one split across two chunks is not counted)
+        self.ended = False
+        self.failure: BaseException | None = None
+        self._wanted = 0
+        self._waiter: asyncio.Future | None = None
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.start.set_result(message)
+        elif message["type"] == "http.response.body":
+            if body := message.get("body"):
+                self.chunks.append(body)
+                self.events += body.count(_EVENT_END)
+            if not message.get("more_body", False):
+                self.ended = True
+            self._wake()
+
+    def app_done(self, task: asyncio.Task) -> None:
+        """The app returned or failed: without a complete response, that is the reader's error."""
+        failure = None if task.cancelled() else task.exception()
+        failure = failure or RuntimeError(f"{self.what}: the app sent no complete response")
+        if not self.start.done():
+            self.start.set_exception(failure)
+        elif not self.ended:
+            self.failure, self.ended = failure, True
+            self._wake()
+
+    def _ready(self) -> bool:
+        return self.ended or (bool(self.chunks) and self.events >= self._wanted)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done() and self._ready():
+            self._waiter.set_result(None)
+
+    async def take(self, events: int = 0) -> list[bytes]:
+        """The buffered chunks, once they hold ``events`` event ends or the body ended; [] at its end."""
+        self._wanted = events
+        while not self._ready():
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        taken, self.chunks, self.events = self.chunks, [], 0
+        if not taken and self.failure is not None:
+            raise self.failure
+        return taken
+
+
 class Response:
-    status: int
-    headers: dict[str, str]
-    body: AsyncIterator[bytes]
+    def __init__(self, start: dict, channel: _Channel) -> None:
+        self.status: int = start["status"]
+        self.headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
+        self._channel = channel
+        self.body: AsyncIterator[bytes] = self._chunks()  # chunk by chunk, as the app sent them
 
     @property
     def is_event_stream(self) -> bool:
         return self.headers.get("content-type", "").startswith("text/event-stream")
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while chunks := await self._channel.take():
+            for chunk in chunks:
+                yield chunk
+
+    async def read_events(self, count: int) -> bytes:
+        """The body received since the last read, once it completes ``count`` more SSE events (or
+        the body ended, with what is left); ``b""`` at the end."""
+        return b"".join(await self._channel.take(events=count))
 
 
 @contextlib.asynccontextmanager
 async def request(app: Any, method: str, path: str, body: Any = None) -> AsyncIterator[Response]:
     """``async with request(app, "POST", "/v1/completions", {...}) as response: ...``"""
     payload = b"" if body is None else json.dumps(body).encode()
-    messages: asyncio.Queue[dict] = asyncio.Queue()
     disconnected = asyncio.Event()
     pending = [{"type": "http.request", "body": payload, "more_body": False}]
 
@@ -55,29 +122,11 @@ async def request(app: Any, method: str, path: str, body: Any = None) -> AsyncIt
                     (b"content-length", str(len(payload)).encode())],
         "state": {},
     }
-    task = asyncio.create_task(app(scope, receive, messages.put))
-    task.add_done_callback(lambda _: messages.put_nowait(_APP_DONE))
-
-    async def next_message() -> dict:
-        message = await messages.get()
-        if message is _APP_DONE:  # the app returned or failed without finishing its response
-            raise task.exception() or RuntimeError(f"{method} {path}: the app sent no complete response")
-        return message
-
-    async def body() -> AsyncIterator[bytes]:
-        while True:
-            message = await next_message()
-            if message["type"] != "http.response.body":
-                continue
-            if message.get("body"):
-                yield message["body"]
-            if not message.get("more_body", False):
-                return
-
+    channel = _Channel(f"{method} {path}")
+    task = asyncio.create_task(app(scope, receive, channel.send))
+    task.add_done_callback(channel.app_done)
     try:
-        start = await next_message()
-        headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
-        yield Response(start["status"], headers, body())
+        yield Response(await channel.start, channel)
     finally:
         disconnected.set()  # vLLM's handlers watch for this and abort the request
         await asyncio.wait({task}, timeout=_DRAIN_SECONDS)

@@ -30,13 +30,18 @@ class Deadlines:
     def __init__(self) -> None:
         self.grace_ends: float | None = None  # loop time at which a shutdown's grace period ends
         self._waiting: set[asyncio.Timeout] = set()
+        self.running = 0  # jobs inside ``bound``
 
     def begin_shutdown(self, grace_period: float) -> int:
-        """From now on no job runs past ``grace_period`` seconds; returns the jobs waiting now."""
-        self.grace_ends = asyncio.get_running_loop().time() + grace_period
+        """From now on no job runs past ``grace_period`` seconds (a repeat never extends it).
+
+        Returns the number of jobs running.
+        """
+        ends = asyncio.get_running_loop().time() + grace_period
+        self.grace_ends = min(ends, self.grace_ends or math.inf)
         for scope in self._waiting:
             scope.reschedule(min(scope.when() or math.inf, self.grace_ends))
-        return len(self._waiting)
+        return self.running
 
     def _earliest(self, job_ends: float | None) -> float | None:
         ends = [t for t in (job_ends, self.grace_ends) if t is not None]
@@ -49,6 +54,7 @@ class Deadlines:
         """``source``'s items, each awaited within the job's deadline (``timeout`` s from now)."""
         job_ends = asyncio.get_running_loop().time() + timeout if timeout else None
         items = aiter(source)
+        self.running += 1
         try:
             while True:
                 scope = asyncio.timeout_at(self._earliest(job_ends))
@@ -64,4 +70,5 @@ class Deadlines:
                     self._waiting.discard(scope)
                 yield item
         finally:
+            self.running -= 1
             await items.aclose()

@@ -19,13 +19,14 @@ import codecs
 import copy
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from asgi_client import request
-from batching import batched
+from asgi_client import Response, request
+from batching import BatchSize
 from engine import job_batch_size, vLLMEngine
 from errors import ErrorPayload, anthropic_error, create_error_response
 from job_input import JobInput
@@ -92,14 +93,48 @@ def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
     return create_error_response(message, status_code=HTTPStatus(status))
 
 
+class _EventSplitter:
+    """SSE events from a byte stream whose chunks may end mid-event or mid-character."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")()
+        self._rest = ""
+
+    def feed(self, data: bytes) -> list[str]:
+        events, self._rest = _split_events(self._rest + self._decoder.decode(data))
+        return events
+
+    def close(self) -> list[str]:
+        """An unterminated last event, if any."""
+        return [self._rest] if self._rest.strip() else []
+
+
 async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    buffer, decoder = "", codecs.getincrementaldecoder("utf-8")()  # a chunk may end mid-character
+    splitter = _EventSplitter()
     async for chunk in body:
-        events, buffer = _split_events(buffer + decoder.decode(chunk))
-        for event in events:
+        for event in splitter.feed(chunk):
             yield event
-    if buffer.strip():
-        yield buffer
+    for event in splitter.close():
+        yield event
+
+
+async def _event_batches(response: Response, size: BatchSize) -> AsyncIterator[list[str]]:
+    """The response's SSE events in batches of ``size`` (as ``batched`` makes them).
+
+    Each read waits, in the app's task, until the events the current batch still needs have
+    arrived, so this wakes once per batch instead of once per event (one per engine step).
+    """
+    splitter, events = _EventSplitter(), []
+    while data := await response.read_events(math.ceil(size.current_batch_size) - len(events)):
+        events += splitter.feed(data)
+        while len(events) >= size.current_batch_size:
+            cut = math.ceil(size.current_batch_size)
+            yield events[:cut]
+            events = events[cut:]
+            size.update()
+    events += splitter.close()
+    if events:
+        yield events
 
 
 class OpenAIvLLMEngine:
@@ -152,8 +187,7 @@ class OpenAIvLLMEngine:
                 content = b"".join([chunk async for chunk in response.body])
                 yield _json_item(response.status, content, anthropic=path in ANTHROPIC_PATHS)
                 return
-            size = job_batch_size(job, self.settings)
-            async for batch in batched(_events(response.body), size):
+            async for batch in _event_batches(response, job_batch_size(job, self.settings)):
                 if self.settings.raw_openai_output:
                     yield "".join(batch)
                 elif parsed := [obj for obj in map(_event_json, batch) if obj is not None]:

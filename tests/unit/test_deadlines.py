@@ -57,7 +57,7 @@ def test_a_shutdown_cuts_waiting_jobs_short(timeout, shutdown):
     async def run():
         async def shut_down_soon():
             await asyncio.sleep(0.05)
-            assert deadlines.begin_shutdown(0.2) == 1  # the one job waiting
+            assert deadlines.begin_shutdown(0.2) == 1  # the one job running
 
         started = time.monotonic()
         task = asyncio.create_task(shut_down_soon())
@@ -82,3 +82,16 @@ def test_jobs_started_after_a_shutdown_get_only_the_grace_period():
         return passed.value.shutdown
 
     assert asyncio.run(run()) is True
+
+
+def test_a_second_signal_never_extends_the_grace_period():
+    deadlines = Deadlines()
+
+    async def run():
+        deadlines.begin_shutdown(0.1)
+        first = deadlines.grace_ends
+        deadlines.begin_shutdown(10)
+        return first, deadlines.grace_ends
+
+    first, after = asyncio.run(run())
+    assert after == first
