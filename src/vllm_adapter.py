@@ -26,6 +26,7 @@ from vllm.tasks import POOLING_TASKS
 from vllm.tool_parsers import ToolParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -101,10 +102,16 @@ def start_engine(engine_args: AsyncEngineArgs) -> AsyncLLM:
 
 
 async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
-    """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it."""
+    """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it.
+
+    Like `vllm serve`'s app start-up, this freezes the start-up heap out of the garbage collector:
+    otherwise each full collection while serving walks vLLM's and torch's ~600k start-up objects
+    (a 0.35 s pause on the CPU machines).
+    """
     supported_tasks = await engine.get_supported_tasks()
     app = build_app(namespace, supported_tasks, engine.model_config)
     await init_app_state(engine, app.state, namespace, supported_tasks)
+    freeze_gc_heap()
     return app
 
 
