@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -60,6 +61,12 @@ def snippet(base: str, api_key: str | None) -> str:
             f'print(answer.choices[0].message.content)')
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill whatever is left in an exited worker's process group."""
+    with contextlib.suppress(ProcessLookupError):  # nothing left
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 class Supervisor:
     """Runs the workers and notices when one of them exits."""
 
@@ -67,9 +74,11 @@ class Supervisor:
         self.store = store
         # Each worker gets its own working directory, as each RunPod worker has its own container:
         # the runpod SDK keeps its in-progress job list in a file in the working directory.
+        # Each in its own process group, which the endpoint empties once the worker has exited:
+        # a worker that dies abruptly may leave the SDK's heartbeat process behind.
         self.procs = {f"local-worker-{i}": subprocess.Popen(
             [sys.executable, str(HANDLER)], env=worker_env(base_url, f"local-worker-{i}", api_key),
-            cwd=tempfile.mkdtemp(prefix=f"local-worker-{i}-"))
+            cwd=tempfile.mkdtemp(prefix=f"local-worker-{i}-"), start_new_session=True)
             for i in range(count)}
 
     async def wait_ready(self) -> None:
@@ -84,8 +93,9 @@ class Supervisor:
     async def watch(self) -> None:
         while True:
             for worker, proc in self.procs.items():
-                if proc.poll() is not None and worker in self.store.workers:
+                if proc.poll() is not None and not self.store.is_gone(worker):
                     print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
+                    _kill_group(proc)
                     await self.store.forget(worker)
             await asyncio.sleep(1)
 
@@ -99,6 +109,7 @@ class Supervisor:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
+            _kill_group(proc)
 
 
 async def serve(args: argparse.Namespace) -> None:

@@ -72,6 +72,7 @@ class JobStore:
         self.queue: deque[str] = deque()
         self.stops: dict[str, set[str]] = {}  # worker → jobs it must stop
         self.workers: dict[str, float] = {}  # worker → last time it called in
+        self.gone: set[str] = set()  # workers whose process exited: never alive again
         self.counts = {status: 0 for status in FINAL}
         self._changed = asyncio.Condition()
 
@@ -98,9 +99,18 @@ class JobStore:
         await self._notify()
         return job
 
+    def _seen(self, worker: str) -> None:
+        if worker not in self.gone:
+            self.workers[worker] = time.monotonic()
+
+    def is_gone(self, worker: str) -> bool:
+        return worker in self.gone
+
     async def take(self, worker: str, count: int, timeout: float) -> list[Job]:
         """Up to ``count`` queued jobs for ``worker``, waiting up to ``timeout`` for the first."""
-        self.workers[worker] = time.monotonic()
+        if worker in self.gone:
+            return []
+        self._seen(worker)
         await self.wait_for(lambda: bool(self.queue), timeout)
         taken = []
         while self.queue and len(taken) < count:
@@ -111,7 +121,7 @@ class JobStore:
 
     def _reported(self, job_id: str, worker: str) -> Job | None:
         """The job a worker reports on, unless it is no longer that worker's to report."""
-        self.workers[worker] = time.monotonic()
+        self._seen(worker)
         job = self.jobs.get(job_id)
         if job is None or job.worker != worker or job.status is not Status.IN_PROGRESS:
             return None
@@ -150,7 +160,7 @@ class JobStore:
         return job
 
     async def stop_signals(self, worker: str, timeout: float) -> list[str]:
-        self.workers[worker] = time.monotonic()
+        self._seen(worker)
         await self.wait_for(lambda: bool(self.stops.get(worker)), timeout)
         return sorted(self.stops.pop(worker, set()))
 
@@ -163,6 +173,7 @@ class JobStore:
     async def forget(self, worker: str) -> None:
         """A worker is gone: jobs it held fail (it can no longer report them)."""
         self.workers.pop(worker, None)
+        self.gone.add(worker)
         for job in self.jobs.values():
             if job.worker == worker and job.status is Status.IN_PROGRESS:
                 job.status, job.finished = Status.FAILED, time.monotonic()
@@ -172,7 +183,7 @@ class JobStore:
         await self._notify()
 
     def ping(self, worker: str) -> None:
-        self.workers[worker] = time.monotonic()
+        self._seen(worker)
 
     def health(self, alive_within: float) -> dict[str, Any]:
         now = time.monotonic()

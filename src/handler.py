@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
 import signal
 import sys
@@ -64,9 +65,17 @@ def _exit_soon(code: int) -> None:
         return
     _engine_dead.set()
     os.kill(os.getpid(), signal.SIGTERM)
-    timer = threading.Timer(FATAL_EXIT_DELAY, os._exit, args=(code,))
+    timer = threading.Timer(FATAL_EXIT_DELAY, _exit_now, args=(code,))
     timer.daemon = True
     timer.start()
+
+
+def _exit_now(code: int) -> None:
+    """Exit at once, taking along the child processes (the SDK's heartbeat, vLLM's), which an
+    immediate exit would otherwise leave running."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    os._exit(code)
 
 
 def _deadline_error(job_id: Any, passed: DeadlinePassed, timeout: float | None,

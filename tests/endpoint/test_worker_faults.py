@@ -61,6 +61,9 @@ def test_a_dead_engine_fails_its_job_and_its_worker_exits_non_zero(endpoint):
     wait_for(lambda: exit_status(endpoint, worker) is not None, 5)
     assert exit_status(endpoint, worker) == 1 and time.monotonic() - killed < 5
     assert endpoint.http.get("/health").json()["workers"]["ready"] == 1
+    time.sleep(6)  # the SDK pings every 5 s: nothing of the dead worker is still calling in
+    assert endpoint.http.get("/health").json()["workers"]["ready"] == 1
+    assert endpoint.log().count(f"{worker} exited") == 1
 
 
 def test_sigterm_finishes_jobs_within_the_grace_period_aborts_the_rest_then_exits_zero(endpoint):

@@ -110,8 +110,11 @@ def test_a_lost_worker_fails_its_jobs_and_leaves_the_health_count():
         await store.take("w", 1, timeout=0)
         before = store.health(60)["workers"]
         await store.forget("w")
-        return job, before, store.health(60)["workers"]
+        store.ping("w")  # a heartbeat the dead worker left behind
+        await store.submit({})
+        late = await store.take("w", 1, timeout=0)
+        return job, before, store.health(60)["workers"], late
 
-    job, before, after = run(scenario())
-    assert before == {"idle": 0, "running": 1, "ready": 1} and after["ready"] == 0
+    job, before, after, late = run(scenario())
+    assert before == {"idle": 0, "running": 1, "ready": 1} and after["ready"] == 0 and late == []
     assert job.status is Status.FAILED and "exited" in job.error

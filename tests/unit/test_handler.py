@@ -1,8 +1,12 @@
 """handler(): error classification with stand-in engines (the real engine is in tests/engine)."""
 
 import asyncio
+import subprocess
+import sys
+import time
 
 import pytest
+from conftest import REPO
 
 import handler
 from errors import RequestError, is_fatal
@@ -108,3 +112,30 @@ def test_jobs_still_running_after_the_grace_period_are_aborted_with_503(monkeypa
     items = asyncio.run(begin_then_run())
     error = items[-1]["error"]
     assert error["code"] == 503 and "SHUTDOWN_GRACE_PERIOD" in error["message"] and engine.closed
+
+
+CHILD_LEFT_BEHIND = """
+import multiprocessing, sys, time
+sys.path.insert(0, "src")
+import handler
+if __name__ == "__main__":
+    child = multiprocessing.Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    print(child.pid, flush=True)
+    handler._exit_now(3)
+"""
+
+
+def test_an_immediate_exit_takes_the_child_processes_along(tmp_path):
+    script = tmp_path / "exit_now.py"
+    script.write_text(CHILD_LEFT_BEHIND)
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 3, done.stderr
+    child = int(done.stdout.split()[0])
+    time.sleep(0.2)
+    try:
+        with open(f"/proc/{child}/stat") as stat:
+            assert stat.read().split()[2] == "Z"  # killed, not yet reaped by its new parent
+    except FileNotFoundError:
+        pass  # killed and reaped
