@@ -144,3 +144,23 @@ def test_the_worker_still_serves_after_the_fuzzing(fuzz_engines):
     serves()
     print("fuzz outcomes:", json.dumps({"inputs": OUTCOMES.total(), "slowest_s": round(max(DURATIONS), 2),
                                         **dict(OUTCOMES.most_common())}))
+
+
+MEGABYTE = "word " * (2**20 // 5)
+HUGE_INPUTS = {
+    "raw prompt": {"prompt": MEGABYTE},
+    "raw messages": {"messages": [{"role": "user", "content": MEGABYTE}]},
+    "chat": {"openai_route": "/v1/chat/completions",
+             "openai_input": {"messages": [{"role": "user", "content": MEGABYTE}]}},
+    "completions": {"openai_route": "/v1/completions", "openai_input": {"prompt": MEGABYTE}},
+    "messages": {"openai_route": "/v1/messages",
+                 "openai_input": {"messages": [{"role": "user", "content": MEGABYTE}]}},
+}
+
+
+@pytest.mark.parametrize("name", HUGE_INPUTS)
+def test_a_one_megabyte_prompt_is_one_error_naming_the_context_limit(fuzz_engines, name):
+    (item,) = run(bounded(dict(HUGE_INPUTS[name])))
+    error = item["error"]
+    assert error.get("code") == 400 or error.get("type") == "invalid_request_error"
+    assert "2048" in error["message"], error["message"]
