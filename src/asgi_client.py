@@ -33,7 +33,8 @@ class _Channel:
         self.what = what
         self.start: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self.chunks: list[bytes] = []
-        self.events = 0  # event ends in ``chunks`` (one split across two chunks is not counted)
+        self.events = 0  # event ends in ``chunks``
+        self._tail = b""  # the last byte received: an event end may straddle two chunks
         self.ended = False
         self.failure: BaseException | None = None
         self._wanted = 0
@@ -45,7 +46,8 @@ class _Channel:
         elif message["type"] == "http.response.body":
             if body := message.get("body"):
                 self.chunks.append(body)
-                self.events += body.count(_EVENT_END)
+                self.events += (self._tail + body).count(_EVENT_END)
+                self._tail = body[-1:]
             if not message.get("more_body", False):
                 self.ended = True
             self._wake()

@@ -35,8 +35,9 @@ class BackgroundLoop:
     async def stream(self, source: AsyncIterator[T]) -> AsyncIterator[T]:
         """Iterate ``source`` on this loop, yielding its items in the caller's loop.
 
-        Closing or cancelling the consumer cancels ``source`` (so vLLM aborts the request);
-        an exception in ``source`` is re-raised in the consumer.
+        Closing or cancelling the consumer, or the end of the consumer's task, cancels
+        ``source`` (so vLLM aborts the request); an exception in ``source`` is re-raised in the
+        consumer.
         """
         caller = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -56,12 +57,22 @@ class BackgroundLoop:
                 send(_END)
 
         future = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        # The consumer's task may end without closing this generator: the runpod SDK's task,
+        # cancelled by job-stop while it posts an item, leaves the generator suspended until
+        # the garbage collector finds it. The task's end stops the source all the same.
+        task = asyncio.current_task()
+
+        def stop(_task: asyncio.Task) -> None:
+            future.cancel()
+
+        task.add_done_callback(stop)
         try:
             while (item := await queue.get()) is not _END:
                 if isinstance(item, Exception):
                     raise item
                 yield item
         finally:
+            task.remove_done_callback(stop)
             future.cancel()
 
     def close(self) -> None:

@@ -156,9 +156,17 @@ def _concurrency(settings: WorkerSettings) -> Callable[[int], int]:
     return concurrency
 
 
+def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def main() -> None:
     global vllm_engine, openai_engine
     _configure_logging()
+    # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK
+    # replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
+    # handled once it has stopped, which would otherwise kill the process on the spot.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     phases, mark = {}, time.perf_counter()
 
     def phase(name: str) -> None:

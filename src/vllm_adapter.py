@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import re
 
 import msgspec
@@ -109,7 +110,14 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
     (a 0.35 s pause on the CPU machines).
     """
     supported_tasks = await engine.get_supported_tasks()
-    app = build_app(namespace, supported_tasks, engine.model_config)
+    root = logging.getLogger()
+    level = root.level
+    try:
+        app = build_app(namespace, supported_tasks, engine.model_config)
+    finally:
+        # Building it imports model_hosting_container_standards (vLLM's SageMaker routes), which sets
+        # the root logger to $LOG_LEVEL or else ERROR: that would silence the worker's own logs.
+        root.setLevel(level)
     await init_app_state(engine, app.state, namespace, supported_tasks)
     freeze_gc_heap()
     return app

@@ -11,8 +11,10 @@ import asyncio
 import json
 import os
 import socket
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +131,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: workers, vLLM's engine processes, the SDK's heartbeat."""
+    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
+    children: dict[int, list[int]] = {}
+    for child, parent in (map(int, line.split()) for line in ps.splitlines()):
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"  # a zombie has exited too
+    except FileNotFoundError:
+        return False
+
+
+def wait_for(predicate, timeout: float) -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout``."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < timeout, "condition not met in time"
+        time.sleep(0.02)
+    return time.monotonic() - started
 
 
 def collect(agen) -> list:

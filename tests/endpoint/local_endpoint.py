@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import CPU_ENV, REPO, free_port
+from conftest import CPU_ENV, REPO, descendants, free_port
 
 API_KEY = "test-key-5f1c"  # the workers' RUNPOD_AI_API_KEY too
 HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
@@ -47,37 +47,6 @@ class LocalEndpoint:
     def stop(self) -> int:
         self.proc.terminate()
         return self.proc.wait(timeout=90)
-
-
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``: workers, vLLM's engine processes, the SDK's heartbeat."""
-    ps = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for child, parent in (map(int, line.split()) for line in ps.splitlines()):
-        children.setdefault(parent, []).append(child)
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().split()[2] != "Z"  # a zombie has exited too
-    except FileNotFoundError:
-        return False
-
-
-def wait_for(predicate, timeout: float) -> float:
-    """Seconds until ``predicate()`` held; fails after ``timeout``."""
-    started = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - started < timeout, "condition not met in time"
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def worker_pids(endpoint: LocalEndpoint) -> dict[str, int]:

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-from local_endpoint import LocalEndpoint, wait_for, worker_pids
+from conftest import wait_for
+from local_endpoint import LocalEndpoint, worker_pids
 
 JOBS = int(os.environ.get("LOAD_JOBS", "100"))
 CONCURRENCY = 30

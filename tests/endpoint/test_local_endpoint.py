@@ -12,7 +12,8 @@ import httpx
 import openai
 import pytest
 import runpod
-from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, alive, descendants, wait_for
+from conftest import alive, descendants, wait_for
+from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint
 
 
 @pytest.fixture(scope="module")

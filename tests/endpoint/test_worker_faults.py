@@ -10,7 +10,8 @@ import signal
 import time
 
 import pytest
-from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, descendants, wait_for, worker_pids
+from conftest import descendants, wait_for
+from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, worker_pids
 
 LONG = {"prompt": "x", "sampling_params": {"max_tokens": 1900, "ignore_eos": True}}
 SHORT = {"prompt": "x", "sampling_params": {"max_tokens": 40, "ignore_eos": True}}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 
 import pytest
@@ -74,6 +75,35 @@ async def stop_when_running(engine, job_input: dict) -> None:
         await task
 
 
+async def stop_between_items(engine, job_input: dict) -> float:
+    """job-stop while the SDK is busy between two items (posting one): the cancellation lands
+    outside the handler's generator, which is left suspended, and, as in the SDK, stays
+    referenced until the garbage collector finds it (here: never). Returns vLLM's unfinished
+    requests 1 s later."""
+    received = []
+
+    async def run_job():
+        generator_output = handler.handler({"id": "stop-me", "input": job_input})
+        try:
+            async for item in generator_output:
+                received.append(item)
+                await asyncio.sleep(3600)  # the SDK posting the item
+        except asyncio.CancelledError as exc:
+            stopped = exc  # a reference cycle through the traceback keeps this frame alive  # noqa: F841
+            raise
+
+    task = asyncio.create_task(run_job())
+    while not received:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    started = time.monotonic()
+    while running_requests(engine) and time.monotonic() - started < 1:
+        await asyncio.sleep(0.01)
+    return running_requests(engine)
+
+
 async def close_after_first_item(job_input: dict) -> None:
     items = handler.handler({"id": "close-me", "input": job_input})
     await anext(items)
@@ -88,6 +118,15 @@ PATHS = ["raw", "completions", "chat", "responses", "messages"]
 def test_job_stop_aborts_the_request(tiny_engine, served, path, stream):
     asyncio.run(stop_when_running(tiny_engine, with_stream(served[path], stream)))
     wait_idle(tiny_engine)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_job_stop_between_stream_items_aborts_the_request(tiny_engine, served, path):
+    gc.disable()
+    try:
+        assert asyncio.run(stop_between_items(tiny_engine, with_stream(served[path], True))) == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("path", PATHS)

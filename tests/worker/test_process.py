@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import CPU_ENV, REPO, engine_env, free_port
+from conftest import CPU_ENV, REPO, alive, descendants, engine_env, free_port, wait_for
 
 HANDLER = str(REPO / "src" / "handler.py")
 
@@ -65,8 +65,10 @@ def rp_api(models, tmp_path_factory):
         proc.kill()
         pytest.fail("worker did not come up:\n" + log.read_text()[-3000:])
     yield url
+    spawned = descendants(proc.pid)
     proc.terminate()
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=30) == 0
+    wait_for(lambda: not any(alive(pid) for pid in spawned), 10)  # vLLM's processes stopped too
 
 
 def test_runsync_over_http(rp_api):
