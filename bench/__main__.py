@@ -1,0 +1,67 @@
+"""Runs the benchmarks and prints one table: ``python -m bench [--quick] [--parts ...] [--out DIR]``.
+
+Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no model), ``engine``
+(1: handler() ÷ AsyncLLM.generate), ``openai`` (2: worker ÷ vllm serve through the openai SDK,
+3: first request, 5: start-up). The full run writes ``bench/RESULTS.md`` and its chart; ``--quick``
+(tiny model, short streams, two repetitions) writes them to a temporary folder instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import common, handler_overhead, openai_path, report, stub_cost
+
+PARTS = ("stub", "engine", "openai")
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, short streams")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
+    parser.add_argument("--models", help="comma-separated model folders under .cache/models")
+    parser.add_argument("--out", type=Path, help="folder for RESULTS.md and the chart")
+    args = parser.parse_args()
+    if unknown := set(args.parts.split(",")) - set(PARTS):
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    return args
+
+
+def _progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    args = _parse()
+    plan = common.QUICK if args.quick else common.Plan()
+    if args.models:
+        plan = dataclasses.replace(plan, models=tuple(args.models.split(",")))
+    parts = args.parts.split(",")
+    out = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else common.REPO / "bench")
+    results = common.Results(plan)
+    started, load_before = time.monotonic(), os.getloadavg()[0]
+    if "stub" in parts:
+        _progress("item 4, worker cost per token (stub, no model)")
+        stub_cost.run(plan, results)
+    for model in plan.models:
+        if "engine" in parts:
+            _progress(f"item 1, handler() ÷ AsyncLLM.generate on {model}")
+            handler_overhead.run(model, plan, results)
+        if "openai" in parts:
+            _progress(f"items 2, 3, 5, worker ÷ vllm serve, first request, start-up on {model}")
+            openai_path.run(model, plan, results)
+    command = "scripts/bench.sh " + " ".join(sys.argv[1:])
+    path = report.write(results, out, command.strip(), (time.monotonic() - started) / 60,
+                        (load_before, os.getloadavg()[0]))
+    print(report.table(results))
+    _progress(f"results written to {path}")
+
+
+if __name__ == "__main__":
+    main()

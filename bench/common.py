@@ -1,0 +1,166 @@
+"""What every benchmark shares: the CPU environment, the models, the plan, load timing, statistics.
+
+Importing this module sets the process-wide vLLM CPU settings (``scripts/cpu-dev.env``), as the
+tests do, before anything imports vLLM, and puts ``src/`` on the import path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+from dotenv import dotenv_values
+
+T = TypeVar("T")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+
+CPU_ENV = {**dotenv_values(REPO / "scripts" / "cpu-dev.env"),
+           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="bench-vllm-rpc-"),
+           "DISABLE_LOG_STATS": "true"}
+for _name, _value in CPU_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+MODELS_ROOT = REPO / ".cache" / "models"
+# SmolLM2 answers wrongly in bfloat16 on this CPU (see tests/conftest.py); the tiny model is random.
+MODEL_EXTRA = {"smollm2-135m-instruct": {"DTYPE": "float32"}, "tiny-llama": {}}
+
+WARM_UP_TOKENS = 8  # a short load on each path before measuring: first-use costs are not measured
+
+# Distinct prompts of equal shape, so no stream rides on another's prefix cache.
+PROMPTS = [f"Write story number {i} about a lighthouse keeper and the sea." for i in range(256)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    reps: int = 3  # repetitions of every A/B pair (and fresh worker starts for items 3 and 5)
+    max_tokens: int = 128  # every stream generates exactly this many tokens (ignore_eos)
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    openai_goal_concurrency: tuple[int, ...] = (1, 16)  # item 2's goals apply here
+    followups: int = 20  # item 3: requests after the first
+    first_max_tokens: int = 16  # item 3's requests
+    stub_jobs: int = 256  # item 4: jobs per measurement, 16 at a time
+    models: tuple[str, ...] = ("smollm2-135m-instruct", "tiny-llama")
+
+
+QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), openai_goal_concurrency=(1, 4), followups=5,
+             first_max_tokens=8, stub_jobs=32, models=("tiny-llama",))
+
+
+def model_env(model: str, plan: Plan) -> dict[str, str]:
+    """A complete worker environment for ``model`` (no config-file layers), as the tests build it."""
+    return {"MODEL_NAME": str(MODELS_ROOT / model), **CPU_ENV, **MODEL_EXTRA[model],
+            "MAX_CONCURRENCY": str(max(plan.concurrency)),
+            "VLLM_CONFIG_FILE": "/nonexistent/vllm_config.yaml",
+            "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json"}
+
+
+def messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+@dataclass
+class Stream:
+    """One stream's timing (``time.perf_counter`` seconds) and its output token count."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    end: float = 0.0
+    tokens: int = 0
+
+    def got(self, tokens: int) -> None:
+        if tokens and self.first is None:
+            self.first = time.perf_counter()
+
+    def done(self, tokens: int) -> Stream:
+        self.end, self.tokens = time.perf_counter(), tokens
+        return self
+
+    @property
+    def latency(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Load:
+    """N concurrent streams: all output tokens ÷ wall time, and the median time to first token."""
+
+    tokens_per_s: float
+    ttft: float
+
+    @classmethod
+    def of(cls, streams: list[Stream]) -> Load:
+        wall = max(s.end for s in streams) - min(s.start for s in streams)
+        return cls(sum(s.tokens for s in streams) / wall,
+                   statistics.median(s.first - s.start for s in streams))
+
+
+async def run_load(n: int, stream: Callable[[int, int], Awaitable[Stream]], max_tokens: int) -> Load:
+    """``n`` streams ``stream(i, max_tokens)`` started together; each must produce ``max_tokens`` tokens."""
+    streams = await asyncio.gather(*(stream(i, max_tokens) for i in range(n)))
+    if wrong := [s.tokens for s in streams if s.tokens != max_tokens or s.first is None]:
+        raise RuntimeError(f"streams produced {wrong} tokens, expected {max_tokens} each")
+    return Load.of(streams)
+
+
+def ab(rep: int, a: Callable[[], T], b: Callable[[], T]) -> tuple[T, T]:
+    """``(a(), b())``, measured in alternating order (ABBA…), so slow drift favours neither."""
+    if rep % 2:
+        second = b()
+        return a(), second
+    first = a()
+    return first, b()
+
+
+@dataclass
+class Figure:
+    """One row of the results table: repeated values of one figure and its goal."""
+
+    item: str
+    model: str
+    name: str
+    unit: str = ""
+    goal: tuple[str, float] | None = None  # ("≥", 0.99) or ("≤", 1.1), checked on the median
+    values: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def met(self) -> bool | None:
+        if self.goal is None:
+            return None
+        op, bound = self.goal
+        return self.median >= bound if op == "≥" else self.median <= bound
+
+
+@dataclass
+class Results:
+    """Everything one run measured: the table's figures and the chart's per-path loads."""
+
+    plan: Plan
+    figures: list[Figure] = field(default_factory=list)
+    # (model, path, concurrency) → one Load per repetition; paths: raw engine, worker, vllm serve
+    loads: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
+
+    def figure(self, item: str, model: str, name: str, unit: str = "",
+               goal: tuple[str, float] | None = None) -> Figure:
+        """The figure of that name, created on first use."""
+        for fig in self.figures:
+            if (fig.item, fig.model, fig.name) == (item, model, name):
+                return fig
+        self.figures.append(Figure(item, model, name, unit, goal))
+        return self.figures[-1]
+
+    def add_load(self, model: str, path: str, concurrency: int, load: Load) -> None:
+        self.loads.setdefault((model, path, concurrency), []).append(load)

@@ -1,0 +1,177 @@
+"""The two HTTP servers compared on the OpenAI path, as processes this run starts and stops.
+
+- ``vllm serve`` (vLLM's own launcher) with flags equal to the worker's resolved configuration;
+- the local RunPod endpoint (``python -m endpoint``) with one real worker, ``src/handler.py`` under
+  the runpod SDK's loop. Its start-up is timed from the worker process's start (the kernel's record)
+  to its ``Worker ready`` log line (which splits the phases) and to its first call for work.
+
+Each server runs in its own session, so stopping it ends every process it started (vLLM's engine
+processes, the SDK's heartbeat) and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+from bench.common import REPO
+
+START_TIMEOUT = 600
+POLL_SECONDS = 0.05
+# The worker's start-up line: "... INFO handler: Worker ready: ...; start-up imports=1.23s config=..."
+READY_LINE = re.compile(r"^(\S+ \S+) INFO handler: Worker ready: .*start-up (.*)$", re.MULTILINE)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A process started in a new session, its output in ``log_path``; ready once ``_ready()`` holds."""
+
+    what = "server"
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.port = free_port()
+        self.log_path = log_path
+        self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=REPO, env={**os.environ, **env},
+                                     stdout=log_path.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _ready(self) -> bool:
+        raise NotImplementedError
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not self._ready():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.what} did not start; its log ends:\n{self.log()[-3000:]}")
+            time.sleep(POLL_SECONDS)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def get(self, url: str) -> httpx.Response | None:
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url, timeout=2)
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM (a clean vLLM shutdown), then SIGKILL for whatever of the session is left."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=90)
+        deadline = time.monotonic() + 10
+        while _session_alive(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def _session_alive(sid: int) -> bool:
+    """Any process (not a zombie) left in session ``sid``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[3]) == sid:  # state, ..., session id
+                return True
+    return False
+
+
+def serve_argv(env: dict[str, str]) -> list[str]:
+    """`vllm serve` flags equal to the worker's resolved configuration (as the parity test builds them)."""
+    from engine_args import ZERO_MEANS_UNSET, resolve_args
+
+    resolved = resolve_args(env)
+    return [token for setting in resolved.settings.values()
+            if not (setting.dest in ZERO_MEANS_UNSET and getattr(resolved.namespace, setting.dest) is None)
+            for token in setting.tokens]
+
+
+class VllmServe(Server):
+    what = "vllm serve"
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        super().__init__([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+                          *serve_argv(env), "--host", "127.0.0.1"], env, log_path)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _ready(self) -> bool:
+        response = self.get(f"http://127.0.0.1:{self.port}/health")
+        return response is not None and response.status_code == 200
+
+
+@dataclass(frozen=True)
+class StartUp:
+    """Seconds from the worker process's start: its phases, then the runpod SDK's own start."""
+
+    total: float  # process start → first call for work
+    python: float  # interpreter and handler.py's module-level imports, before main()
+    phases: dict[str, float]  # the worker's own split: imports, config, engine, serving
+    sdk: float  # "Worker ready" → first call for work (runpod.serverless.start)
+
+
+class Endpoint(Server):
+    what = "the local endpoint"
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        super().__init__([sys.executable, "-m", "endpoint", "--workers", "1"], env, log_path)
+        self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
+
+    def _ready(self) -> bool:
+        """Ready when the worker first calls for work; its start-up is measured then."""
+        response = self.get(f"http://127.0.0.1:{self.port}/v2/local/health")
+        if response is None or response.json()["workers"]["ready"] < 1:
+            return False
+        self.start_up = self._start_up(taking_jobs=time.time())
+        return True
+
+    def _start_up(self, taking_jobs: float) -> StartUp:
+        match = READY_LINE.search(self.log())
+        if match is None:
+            raise RuntimeError("no 'Worker ready' line with start-up phases in the worker's log")
+        ready = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        phases = {name: float(seconds) for name, seconds in re.findall(r"(\w+)=([\d.]+)s", match[2])}
+        started = _process_start(_worker_pid(self.proc.pid))
+        return StartUp(total=taking_jobs - started, python=ready - started - sum(phases.values()),
+                       phases=phases, sdk=taking_jobs - ready)
+
+
+def _worker_pid(endpoint_pid: int) -> int:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            pid, rest = stat.read_text().split(" ", 1)
+            if int(rest.rsplit(")", 1)[1].split()[1]) == endpoint_pid and "handler.py" in \
+                    (stat.parent / "cmdline").read_text():
+                return int(pid)
+    raise RuntimeError("the endpoint's worker process is gone")
+
+
+def _process_start(pid: int) -> float:
+    """Wall-clock start of ``pid`` (10 ms resolution): the kernel records it in clock ticks since boot.
+
+    /proc/stat's boot time is whole seconds, so the boot instant is taken from CLOCK_BOOTTIME instead.
+    """
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    since_boot = ticks / os.sysconf("SC_CLK_TCK")
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
