@@ -117,15 +117,6 @@ class _EventSplitter:
         return [self._rest] if self._rest.strip() else []
 
 
-async def _events(body: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    splitter = _EventSplitter()
-    async for chunk in body:
-        for event in splitter.feed(chunk):
-            yield event
-    for event in splitter.close():
-        yield event
-
-
 async def _event_batches(response: Response, size: BatchSize) -> AsyncIterator[list[str]]:
     """The response's SSE events in batches of ``size`` (as ``batched`` makes them).
 
