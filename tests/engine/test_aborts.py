@@ -10,6 +10,7 @@ import gc
 import time
 
 import pytest
+from conftest import collect
 
 import handler
 
@@ -139,10 +140,6 @@ def test_closing_a_stream_early_aborts_the_request(tiny_engine, served, path):
 @pytest.mark.parametrize("path", ["raw", "completions"])
 def test_a_job_past_its_timeout_is_aborted_with_408(tiny_engine, served, path, stream):
     job_input = {**with_stream(served[path], stream), "timeout": 0.5}
-    items = asyncio.run(collect(job_input))
+    items = collect(handler.handler({"id": "timeout", "input": job_input}))
     assert items[-1]["error"]["code"] == 408 and items[-1]["error"]["param"] == "timeout"
     wait_idle(tiny_engine)
-
-
-async def collect(job_input: dict) -> list:
-    return [item async for item in handler.handler({"id": "timeout", "input": job_input})]
