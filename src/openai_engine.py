@@ -7,7 +7,8 @@ validation messages, status codes, Anthropic error objects and SSE framing.
 
 Outputs:
 - a JSON response: one item, the response object (an error body when the status is 4xx/5xx);
-- a stream: batches of SSE events (``BatchSize`` growth, worker defaults overridable per job);
+- a stream: batches of SSE events (``BatchSize`` growth, worker defaults overridable per job; the
+  events vLLM sends before any output ride with the first token);
   with ``RAW_OPENAI_OUTPUT`` on, each batch is the events' text joined, ``[DONE]`` included;
   off, a list of the events' JSON objects, without ``[DONE]``.
 """
@@ -117,19 +118,32 @@ class _EventSplitter:
         return [self._rest] if self._rest.strip() else []
 
 
-async def _event_batches(response: Response, size: BatchSize) -> AsyncIterator[list[str]]:
+def _preamble(path: str, body: Any) -> int:
+    """How many events vLLM streams on ``path`` before any output: a chat stream's role chunk per
+    choice, Anthropic's ``message_start``, the Responses API's ``created`` and ``in_progress``."""
+    if path == "/v1/chat/completions":
+        n = body.get("n") if isinstance(body, dict) else None
+        return n if isinstance(n, int) and n > 0 else 1
+    return {"/v1/messages": 1, "/v1/responses": 2}.get(path, 0)
+
+
+async def _event_batches(response: Response, size: BatchSize,
+                         preamble: int = 0) -> AsyncIterator[list[str]]:
     """The response's SSE events in batches of ``size`` (as ``batched`` makes them).
 
-    Each read waits, in the app's task, until the events the current batch still needs have
-    arrived, so this wakes once per batch instead of once per event (one per engine step).
+    The ``preamble`` events do not count: they ride in the first batch with the first output and
+    all that arrived with it (Anthropic's ``content_block_start`` comes with its first delta), so
+    that batch carries the first token, as a raw stream's does. Each read waits, in the app's
+    task, until the events the current batch still needs have arrived, so this wakes once per
+    batch instead of once per event (one per engine step).
     """
     splitter, events = _EventSplitter(), []
-    while data := await response.read_events(math.ceil(size.current_batch_size) - len(events)):
+    while data := await response.read_events(preamble + math.ceil(size.current_batch_size) - len(events)):
         events += splitter.feed(data)
-        while len(events) >= size.current_batch_size:
-            cut = math.ceil(size.current_batch_size)
+        while len(events) - preamble >= size.current_batch_size:
+            cut = len(events) if preamble else math.ceil(size.current_batch_size)
             yield events[:cut]
-            events = events[cut:]
+            events, preamble = events[cut:], 0
             size.update()
     events += splitter.close()
     if events:
@@ -186,7 +200,8 @@ class OpenAIvLLMEngine:
                 content = b"".join([chunk async for chunk in response.body])
                 yield _json_item(response.status, content, anthropic=path in ANTHROPIC_PATHS)
                 return
-            async for batch in _event_batches(response, job_batch_size(job, self.settings)):
+            size = job_batch_size(job, self.settings)
+            async for batch in _event_batches(response, size, _preamble(path, body)):
                 if self.settings.raw_openai_output:
                     yield "".join(batch)
                 elif parsed := _events_json(batch):

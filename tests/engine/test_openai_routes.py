@@ -223,9 +223,37 @@ def test_raw_output_off_yields_lists_of_chunk_objects(tiny_engine, run_openai):
     body = {"model": model_of(engine), "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 12,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     items = run_openai(engine, "/v1/chat/completions", body)
-    assert all(isinstance(item, list) for item in items) and [len(i) for i in items][:2] == [1, 3]
+    assert all(isinstance(item, list) for item in items) and len(items[1]) == 3
     parsed = [ChatCompletionChunk.model_validate(obj) for item in items for obj in item]
+    # The first batch: the role chunk (which does not count) with the first token.
+    assert parsed[0].choices[0].delta.role == "assistant" and parsed[1].choices[0].delta.content
+    assert len(items[0]) == 2
     assert parsed[-1].usage.completion_tokens == 12  # no [DONE] in this mode
+
+
+FIRST_OUTPUT = {  # route → (body beyond model and stream, test for an event carrying output)
+    "/v1/completions": ({"prompt": "x"}, lambda name, data: json.loads(data)["choices"][0]["text"]),
+    "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hi"}], "n": 2},
+                             lambda name, data: json.loads(data)["choices"][0]["delta"].get("content")),
+    "/v1/messages": ({"messages": [{"role": "user", "content": "Hi"}]},
+                     lambda name, data: name == "content_block_delta"),
+    "/v1/responses": ({"input": "Hi"}, lambda name, data: name == "response.output_text.delta"),
+}
+
+
+@pytest.mark.parametrize("route", FIRST_OUTPUT)
+def test_the_first_stream_batch_carries_the_first_token(tiny_openai, run_openai, route):
+    """vLLM's preamble events (role chunks, message_start, response.created...) do not fill the
+    first batch of MIN_BATCH_SIZE=1 on their own: it holds the first token, as on the raw path."""
+    extra, carries_output = FIRST_OUTPUT[route]
+    limit = "max_output_tokens" if route == "/v1/responses" else "max_tokens"
+    body = {"model": model_of(tiny_openai), "stream": True, limit: 40, **extra}
+    if route != "/v1/responses":
+        body["ignore_eos"] = True
+    items = run_openai(tiny_openai, route, body)
+    first = sse_events(items[0])
+    assert any(carries_output(name, data) for name, data in first), first
+    assert len(items) > 3 and len(sse_events(items[1])) == 3  # then the schedule: 3, 9, ...
 
 
 def test_raw_output_on_is_vllms_sse_text(tiny_openai, run_openai):

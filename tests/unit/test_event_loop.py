@@ -59,3 +59,56 @@ def test_closing_the_consumer_cancels_the_source(loop):
 
     asyncio.run(consume())
     assert state == {"closed": True}
+
+
+def test_many_streams_each_get_their_items_in_order_with_fewer_wake_ups(loop):
+    """Items produced in one burst for many streams share the consumer loop's wake-ups."""
+    async def source(tag: int):
+        for i in range(50):
+            yield (tag, i)
+            await asyncio.sleep(0)  # all streams advance together, as with one engine step each
+
+    async def consume():
+        consumer = asyncio.get_running_loop()
+        calls = 0
+        threadsafe = consumer.call_soon_threadsafe
+
+        def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return threadsafe(*args, **kwargs)
+
+        consumer.call_soon_threadsafe = counted
+        async def collect(tag: int) -> list:
+            return [x async for x in loop.stream(source(tag))]
+
+        results = await asyncio.gather(*(collect(t) for t in range(20)))
+        return results, calls
+
+    results, calls = asyncio.run(consume())
+    assert results == [[(t, i) for i in range(50)] for t in range(20)]
+    assert calls < 20 * 51  # one per item and end without the mailbox
+
+
+def test_a_closed_consumer_loop_does_not_break_the_background_loop(loop):
+    async def endless():
+        while True:
+            yield 1
+            await asyncio.sleep(0.001)
+
+    async def take_one():
+        async for _ in loop.stream(endless()):
+            return  # the generator is left for the garbage collector; the loop then closes
+
+    asyncio.run(take_one())
+    assert loop.run(asyncio.sleep(0.05, result="alive"), timeout=5) == "alive"
+    assert asyncio.run(asyncio.wait_for(_first(loop), 5)) == 0
+
+
+async def _first(loop):
+    async def count():
+        for i in range(3):
+            yield i
+
+    async for item in loop.stream(count()):
+        return item
