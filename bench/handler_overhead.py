@@ -82,7 +82,7 @@ def run(model: str, plan: Plan, results: Results) -> None:
         paths = EnginePaths(engine)
         for n in plan.concurrency:  # first-use costs of each batch size, on both paths
             paths.direct(n, WARM_UP_TOKENS), paths.worker(n, WARM_UP_TOKENS)
-        for rep in range(plan.reps):
+        for rep in range(plan.load_reps(model)):
             for n in plan.concurrency:
                 direct, worker = ab(rep, lambda n=n: paths.direct(n, plan.max_tokens),
                                     lambda n=n: paths.worker(n, plan.max_tokens))

@@ -90,7 +90,7 @@ def run(model: str, plan: Plan, results: Results) -> None:
             results.figure("3 first request", model, f"first ÷ median of next {plan.followups}",
                            goal=("≤", 1.2)).values.append(first_request_ratio(endpoint.base_url, name, plan))
         load(endpoint.base_url, name, max(plan.concurrency), WARM_UP_TOKENS)
-        for rep in range(plan.reps):
+        for rep in range(plan.load_reps(model)):
             for n in plan.concurrency:
                 worker, vllm = ab(rep, lambda n=n: load(endpoint.base_url, name, n, plan.max_tokens),
                                   lambda n=n: load(serve.base_url, name, n, plan.max_tokens))
