@@ -41,16 +41,17 @@ class _Channel:
         self._waiter: asyncio.Future | None = None
 
     async def send(self, message: dict) -> None:
-        if message["type"] == "http.response.start":
-            self.start.set_result(message)
-        elif message["type"] == "http.response.body":
+        kind = message["type"]
+        if kind == "http.response.body":  # once per SSE event: kept lean
             if body := message.get("body"):
                 self.chunks.append(body)
-                self.events += (self._tail + body).count(_EVENT_END)
+                self.events += body.count(_EVENT_END) + (self._tail == b"\n" and body[0] == 10)
                 self._tail = body[-1:]
             if not message.get("more_body", False):
                 self.ended = True
             self._wake()
+        elif kind == "http.response.start":
+            self.start.set_result(message)
 
     def app_done(self, task: asyncio.Task) -> None:
         """The app returned or failed: without a complete response, that is the reader's error."""
@@ -131,7 +132,8 @@ async def request(app: Any, method: str, path: str, body: Any = None) -> AsyncIt
         yield Response(await channel.start, channel)
     finally:
         disconnected.set()  # vLLM's handlers watch for this and abort the request
-        await asyncio.wait({task}, timeout=_DRAIN_SECONDS)
-        task.cancel()
+        if not task.done():
+            await asyncio.wait({task}, timeout=_DRAIN_SECONDS)
+            task.cancel()
         if task.done() and not task.cancelled():
             task.exception()  # already reported through the response; mark it retrieved
