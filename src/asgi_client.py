@@ -45,7 +45,7 @@ class _Channel:
         if kind == "http.response.body":  # once per SSE event: kept lean
             if body := message.get("body"):
                 self.chunks.append(body)
-                self.events += body.count(_EVENT_END) + (self._tail == b"\n" and body[0] == 10)
+                self.events += body.count(_EVENT_END) + (self._tail + body[:1] == _EVENT_END)
                 self._tail = body[-1:]
             if not message.get("more_body", False):
                 self.ended = True

@@ -171,7 +171,8 @@ def main() -> None:
 
     def phase(name: str) -> None:
         nonlocal mark
-        phases[name], mark = time.perf_counter() - mark, time.perf_counter()
+        now = time.perf_counter()
+        phases[name], mark = now - mark, now
 
     from dotenv import load_dotenv
 
