@@ -13,11 +13,13 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -61,25 +63,35 @@ def snippet(base: str, api_key: str | None) -> str:
             f'print(answer.choices[0].message.content)')
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill whatever is left in an exited worker's process group."""
+def _reap(proc: subprocess.Popen, workdir: str) -> None:
+    """Kill whatever is left in an exited worker's process group, then remove its working directory
+    (again while a dying process still writes into it: once it is gone, nothing can write there)."""
     with contextlib.suppress(ProcessLookupError):  # nothing left
         os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while True:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.path.exists(workdir) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
 
 class Supervisor:
     """Runs the workers and notices when one of them exits."""
 
-    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore) -> None:
+    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore,
+                 command: Sequence[str] = (sys.executable, str(HANDLER))) -> None:
         self.store = store
         # Each worker gets its own working directory, as each RunPod worker has its own container:
         # the runpod SDK keeps its in-progress job list in a file in the working directory.
         # Each in its own process group, which the endpoint empties once the worker has exited:
         # a worker that dies abruptly may leave the SDK's heartbeat process behind.
-        self.procs = {f"local-worker-{i}": subprocess.Popen(
-            [sys.executable, str(HANDLER)], env=worker_env(base_url, f"local-worker-{i}", api_key),
-            cwd=tempfile.mkdtemp(prefix=f"local-worker-{i}-"), start_new_session=True)
-            for i in range(count)}
+        self.workdirs = {f"local-worker-{i}": tempfile.mkdtemp(prefix=f"local-worker-{i}-")
+                         for i in range(count)}
+        self.procs = {worker: subprocess.Popen(
+            list(command), env=worker_env(base_url, worker, api_key), cwd=workdir, start_new_session=True)
+            for worker, workdir in self.workdirs.items()}
 
     async def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
@@ -95,7 +107,7 @@ class Supervisor:
             for worker, proc in self.procs.items():
                 if proc.poll() is not None and not self.store.is_gone(worker):
                     print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
-                    _kill_group(proc)
+                    await asyncio.to_thread(_reap, proc, self.workdirs[worker])
                     await self.store.forget(worker)
             await asyncio.sleep(1)
 
@@ -104,12 +116,10 @@ class Supervisor:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for proc in self.procs.values():
-            try:
+        for worker, proc in self.procs.items():
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then killed with its group
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            _kill_group(proc)
+            _reap(proc, self.workdirs[worker])
 
 
 async def serve(args: argparse.Namespace) -> None:
