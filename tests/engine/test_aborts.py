@@ -30,7 +30,8 @@ def wait_idle(engine, timeout: float = 1.0) -> float:
 
 
 def jobs(model: str) -> dict[str, dict]:
-    """Long-running job inputs per path, without ``stream``."""
+    """Long-running job inputs per path, without ``stream``: none may end early on an EOS (vLLM's
+    Anthropic route drops ignore_eos; greedy, the tiny model emits none there in 1,900 tokens)."""
     chat = [{"role": "user", "content": "Tell me a long story."}]
     return {
         "raw": {"prompt": "x", "sampling_params": LONG},
@@ -39,9 +40,11 @@ def jobs(model: str) -> dict[str, dict]:
         "chat": {"openai_route": "/v1/chat/completions",
                  "openai_input": {"model": model, "messages": chat, **LONG}},
         "responses": {"openai_route": "/v1/responses",
-                      "openai_input": {"model": model, "input": "x", "max_output_tokens": 1900}},
+                      "openai_input": {"model": model, "input": "x", "max_output_tokens": 1900,
+                                       "ignore_eos": True}},
         "messages": {"openai_route": "/v1/messages",
-                     "openai_input": {"model": model, "messages": chat, "max_tokens": 1900}},
+                     "openai_input": {"model": model, "messages": chat, "max_tokens": 1900,
+                                      "temperature": 0}},
     }
 
 
@@ -71,6 +74,7 @@ async def stop_when_running(engine, job_input: dict) -> None:
         assert time.monotonic() - started < 30 and not task.done(), "the job never started"
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.2)  # well into generation
+    assert running_requests(engine), "the request ended before the stop"
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -96,6 +100,7 @@ async def stop_between_items(engine, job_input: dict) -> float:
     task = asyncio.create_task(run_job())
     while not received:
         await asyncio.sleep(0.01)
+    assert running_requests(engine), "the request ended before the stop"
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from conftest import free_port
 
 from engine_args import ZERO_MEANS_UNSET, resolve_args
 
@@ -28,33 +27,38 @@ def serve_argv(env: dict[str, str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def vllm_servers(tiny_env, minilm_env, tmp_path_factory):
-    """vLLM's HTTP server (python -m vllm.entrypoints.launchers.api_server.entry) per model."""
+    """vLLM's HTTP server (python -m vllm.entrypoints.launchers.api_server.entry) per model, as a
+    client for it. Each listens on its own Unix socket: no TCP port to pick, which another server
+    (or the engine's own free-port probe) could take before vLLM binds it."""
     servers, procs = {}, []
     for name, env in (("tiny", tiny_env), ("minilm", minilm_env)):
-        port = free_port()
-        log = tmp_path_factory.mktemp("vllm-serve") / f"{name}.log"
+        folder = tmp_path_factory.mktemp("vllm-serve")
+        log, uds = folder / f"{name}.log", folder / f"{name}.sock"
         argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *serve_argv(env),
-                "--host", "127.0.0.1", "--port", str(port)]
+                "--uds", str(uds)]
         procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
-        servers[name] = f"http://127.0.0.1:{port}"
+        servers[name] = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://vllm",
+                                     timeout=120)
     try:
         deadline = time.monotonic() + 300
-        for (proc, log), url in zip(procs, servers.values(), strict=True):
-            while not _healthy(url):
+        for (proc, log), server in zip(procs, servers.values(), strict=True):
+            while not _healthy(server):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(1)
         yield servers
     finally:
+        for server in servers.values():
+            server.close()
         for proc, _ in procs:
             proc.terminate()
         for proc, _ in procs:
             proc.wait(timeout=60)
 
 
-def _healthy(url: str) -> bool:
+def _healthy(server: httpx.Client) -> bool:
     try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
+        return server.get("/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -158,7 +162,7 @@ def test_worker_answers_as_vllm_serve(vllm_servers, workers, run_openai, case, s
     if body is not None:
         body = {"model": worker.served_model_name, **body, **({"stream": True} if stream else {})}
     items = run_openai(worker, route, body)
-    http = httpx.request(method, vllm_servers[model] + route, json=body, timeout=120)
+    http = vllm_servers[model].request(method, route, json=body)
     if stream and http.headers["content-type"].startswith("text/event-stream"):
         assert all(isinstance(item, str) for item in items)
         assert canonical_stream(parse_sse("".join(items))) == canonical_stream(parse_sse(http.text))

@@ -125,7 +125,8 @@ def test_logprobs_per_token(tiny_engine, run_job):
 
 
 def test_stop_and_seed(tiny_engine, run_job):
-    job = {"prompt": "Hello", "sampling_params": {"max_tokens": 20, "seed": 11, "temperature": 1.0}}
+    job = {"prompt": "Hello", "sampling_params": {"max_tokens": 20, "seed": 11, "temperature": 1.0,
+                                                  "ignore_eos": True}}  # no early EOS: text to stop in
     assert texts(run_job(tiny_engine, job)) == texts(run_job(tiny_engine, job))
     first = texts(run_job(tiny_engine, job))[0]
     stop = first[len(first) // 2:][:2]

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+from conftest import wait_for
 
 from event_loop import BackgroundLoop
 
@@ -55,10 +56,9 @@ def test_closing_the_consumer_cancels_the_source(loop):
         stream = loop.stream(source())
         await stream.__anext__()
         await stream.aclose()
-        await asyncio.sleep(0.2)
 
     asyncio.run(consume())
-    assert state == {"closed": True}
+    wait_for(lambda: state == {"closed": True}, 5)  # cancelled in the background loop's thread
 
 
 def test_many_streams_each_get_their_items_in_order_with_fewer_wake_ups(loop):
