@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
+
+from error_types import anthropic_status, anthropic_type, is_anthropic_route, openai_type
 
 from .jobs import Job, JobStore, Status
 
@@ -26,11 +27,6 @@ __all__ = ["EndpointConfig", "create_app"]
 
 # How long an idle job-take or job-stop request is held open (the SDK re-polls at once).
 LONG_POLL_SECONDS = 3.0
-# Anthropic error types → HTTP status, for failed /v1/messages jobs.
-ANTHROPIC_STATUS = {"invalid_request_error": 400, "authentication_error": 401,
-                    "permission_error": 403, "not_found_error": 404, "request_too_large": 413,
-                    "rate_limit_error": 429, "api_error": 500, "overloaded_error": 529}
-
 
 @dataclass(frozen=True)
 class EndpointConfig:
@@ -48,11 +44,10 @@ def _error(status: int, message: str) -> web.Response:
 
 def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
     if anthropic:
-        body = {"type": "error", "error": {"type": "api_error" if status >= 500 else
-                                           "invalid_request_error", "message": message}}
+        body = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
     else:
-        body = {"error": {"message": message, "type": HTTPStatus(status).phrase,
-                          "param": None, "code": status}}
+        body = {"error": {"message": message, "type": openai_type(status), "param": None,
+                          "code": status}}
     return web.json_response(body, status=status)
 
 
@@ -71,7 +66,7 @@ def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
         return _openai_error(500, str(job.error), anthropic)
     if anthropic:
         return web.json_response({"type": "error", "error": error},
-                                 status=ANTHROPIC_STATUS.get(error.get("type"), 500))
+                                 status=anthropic_status(error.get("type")))
     return web.json_response({"error": error}, status=int(error.get("code") or 500))
 
 
@@ -158,7 +153,7 @@ class Endpoint:
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
         route = "/v1/" + request.match_info["route"]
-        anthropic = route == "/v1/messages"
+        anthropic = is_anthropic_route(route)
         body = await self._body(request) if request.method == "POST" else None
         if body is not None and not isinstance(body, dict):
             return _openai_error(400, "the request body must be a JSON object", anthropic)

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Any
 
 from batching import BatchSize, batched
@@ -23,7 +24,7 @@ from event_loop import BackgroundLoop
 from job_input import JobInput
 from sampling import build_sampling_params
 from settings import WorkerConfig, WorkerSettings, load_config
-from tokenizer import TokenizerWrapper
+from tokenizer import TokenizerWrapper, prompt_chars
 from vllm_adapter import (
     POOLING_TASKS,
     AsyncLLM,
@@ -87,8 +88,9 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         self.tokenizer = TokenizerWrapper(self.llm.get_tokenizer(), template)
 
     async def _start(self) -> AsyncLLM:
-        # Built inside the private loop, which its output handler then belongs to.
-        return start_engine(self.engine_args)
+        # Built inside the private loop, which its output handler then belongs to. Building the
+        # engine configuration first raises ConfigError for combinations vLLM rejects.
+        return start_engine(self.config.args.engine_config(), self.engine_args)
 
     async def _warm_up(self) -> None:
         """A short request through the whole path, so the first job pays no first-use costs.
@@ -119,14 +121,14 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
     async def _prompt_tokens(self, job: JobInput) -> list[int]:
         llm_input = job.llm_input
         if job.apply_chat_template or isinstance(llm_input, list):
-            text = self.tokenizer.apply_chat_template(llm_input)
-            special = False  # the template already placed BOS and friends
+            # The chat's own encoding (template or mistral_common) places BOS and friends.
+            encode = partial(self.tokenizer.chat_prompt_ids, llm_input)
         else:
-            text, special = llm_input, True
-        if len(text) < _INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=special)
+            encode = partial(self.tokenizer.encode, llm_input, add_special_tokens=True)
+        if prompt_chars(llm_input) < _INLINE_TOKENIZE_CHARS:
+            return encode()
         # Long prompts take a while to tokenize: keep the engine's loop free meanwhile.
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=special)
+        return await asyncio.to_thread(encode)
 
     async def _generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
         params = build_sampling_params(job.sampling_params, job.stream)

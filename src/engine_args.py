@@ -7,7 +7,7 @@ Precedence, highest first (each layer is one function returning ``{dest: Setting
                      ``LORA_MODULES``→lora_modules
 2. env vars          every flag of ``vllm serve``'s engine parser as its UPPER_SNAKE name
                      (``MAX_MODEL_LEN``→``--max-model-len``), the OpenAI front-end flags in
-                     ``FRONTEND_DESTS``, plus ``SPECULATIVE_*`` and the deprecated names below
+                     ``FRONTEND_DESTS``, plus worker-vllm's legacy names (``legacy_env``)
 3. config file       YAML at ``VLLM_CONFIG_FILE`` (``/vllm_config.yaml``), keys as in ``vllm serve --config``
 4. baked args        ``/local_model_args.json``, written when a model is baked into the image
 5. worker defaults   ``WORKER_DEFAULTS``
@@ -22,25 +22,34 @@ the model loads. An empty env value means "not set".
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from env_text import env_value, parse_bool
 from errors import ConfigError
+from legacy_env import LEGACY_ENV
+from legacy_env import translate as legacy_texts
 from vllm_adapter import (
+    ENGINE_CONFIG_ERRORS,
     AsyncEngineArgs,
+    VllmConfig,
     arg_annotations,
     build_arg_parser,
+    create_engine_config,
     engine_arg_dests,
+    engine_config_message,
     validate_frontend_args,
+    visible_gpu_count,
 )
 
 log = logging.getLogger(__name__)
@@ -75,65 +84,21 @@ RESERVED_ENV = frozenset({"HF_TOKEN"})
 WORKER_DEFAULTS: Mapping[str, Any] = {
     "gpu_memory_utilization": 0.95,  # the worker owns the GPU; vLLM's 0.92 leaves it idle
     "max_num_seqs": 256,
-}
-
-# Knobs worker-vllm documented that vLLM 0.32 no longer has: warned about, then ignored.
-REMOVED_ENV: Mapping[str, str] = {
-    "SWAP_SPACE": "vLLM V1 preempts by recomputation",
-    "WORKER_USE_RAY": "use DISTRIBUTED_EXECUTOR_BACKEND=ray",
-    "TOKENIZER_POOL_SIZE": "tokenization runs in the API process",
-    "TOKENIZER_POOL_TYPE": "tokenization runs in the API process",
-    "TOKENIZER_POOL_EXTRA_CONFIG": "tokenization runs in the API process",
-    "ENABLE_PROMPT_ADAPTER": "prompt adapters were removed from vLLM",
-    "MAX_PROMPT_ADAPTERS": "prompt adapters were removed from vLLM",
-    "MAX_PROMPT_ADAPTER_TOKEN": "prompt adapters were removed from vLLM",
-    "LORA_EXTRA_VOCAB_SIZE": "removed from vLLM",
-    "NUM_LOOKAHEAD_SLOTS": "removed with the V0 engine",
-    "SCHEDULER_DELAY_FACTOR": "removed with the V0 engine",
-    "USE_V2_BLOCK_MANAGER": "removed with the V0 engine",
-    "SPEC_DECODING_ACCEPTANCE_METHOD": "removed with the V0 engine",
-    "GUIDED_DECODING_BACKEND": 'use STRUCTURED_OUTPUTS_CONFIG=\'{"backend": "..."}\'',
-    "DEVICE": "vLLM detects the platform",
-    "MAX_SEQ_LEN_TO_CAPTURE": "use COMPILATION_CONFIG (cudagraph capture sizes)",
-    "MAX_CONTEXT_LEN_TO_CAPTURE": "use COMPILATION_CONFIG (cudagraph capture sizes)",
-}
-# Deprecated spellings still honoured, with the value rewritten for the new flag.
-RENAMED_ENV: Mapping[str, tuple[str, Callable[[str], str]]] = {
-    "VLLM_ATTENTION_BACKEND": ("ATTENTION_BACKEND", str),
-    "DISABLE_LOG_REQUESTS": ("ENABLE_LOG_REQUESTS", lambda v: str(not _parse_bool(v)).lower()),
+    # Request logs carry no prompt or output text unless MAX_LOG_LEN is set: an opt-in, since
+    # prompts are the users' data (vLLM's default, None, logs them whole).
+    "max_log_len": 0,
 }
 
 # vLLM treats these as "derive from the model" when unset; RunPod templates send 0 for that.
 ZERO_MEANS_UNSET = ("max_model_len", "max_num_batched_tokens")
 
-# SPECULATIVE_* env vars → keys of vLLM's speculative config (value parser per key).
-SPECULATIVE_ENV: Mapping[str, tuple[str, Callable[[str], Any]]] = {
-    "SPECULATIVE_METHOD": ("method", str),
-    "SPECULATIVE_MODEL": ("model", str),
-    "NUM_SPECULATIVE_TOKENS": ("num_speculative_tokens", int),
-    "NGRAM_PROMPT_LOOKUP_MAX": ("prompt_lookup_max", int),
-    "NGRAM_PROMPT_LOOKUP_MIN": ("prompt_lookup_min", int),
-    "SPECULATIVE_DRAFT_TENSOR_PARALLEL_SIZE": ("draft_tensor_parallel_size", int),
-    "SPECULATIVE_MAX_MODEL_LEN": ("max_model_len", int),
-    "SPECULATIVE_DISABLE_BY_BATCH_SIZE": ("disable_by_batch_size", int),
-    "SPECULATIVE_QUANTIZATION": ("quantization", str),
-    "SPECULATIVE_MODEL_REVISION": ("revision", str),
-    "SPECULATIVE_ENFORCE_EAGER": ("enforce_eager", lambda v: _parse_bool(v)),
-}
+# Set explicitly, any of these means the user chose how to spread the model over the GPUs.
+PARALLEL_DESTS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
 # Keys of the baked-args file that name the repos the local copies came from.
 BAKED_SOURCE_KEYS = {"model": "BAKED_MODEL_NAME", "tokenizer": "BAKED_TOKENIZER_NAME"}
 
 _SECRET = re.compile(r"(^|_)(token|key|secret|password)$")
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-
-
-def _parse_bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE | _FALSE:
-        return lowered in _TRUE
-    raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
 
 
 @dataclass(frozen=True)
@@ -165,6 +130,29 @@ class ResolvedArgs:
     def summary(self) -> str:
         return ", ".join(f"{s.dest}={s.shown} ({s.source})" for s in self.settings.values())
 
+    def engine_config(self) -> VllmConfig:
+        """vLLM's complete engine configuration, built as the engine builds it, so that a
+        combination vLLM rejects stops start-up as a configuration error before the model loads."""
+        try:
+            return create_engine_config(copy.deepcopy(self.engine_args))
+        except ENGINE_CONFIG_ERRORS as exc:
+            raise ConfigError(f"invalid configuration:\n  {self._culprit()}: "
+                              f"{engine_config_message(exc)}") from None
+
+    def _culprit(self) -> str:
+        """The settings to blame for a rejected engine configuration."""
+        speculative = self.settings.get("speculative_config")
+        if speculative is not None:
+            without = copy.deepcopy(self.engine_args)
+            without.speculative_config = None
+            try:
+                create_engine_config(without)
+            except ENGINE_CONFIG_ERRORS:
+                pass
+            else:
+                return speculative.source
+        return "vLLM's engine configuration"
+
 
 class _Parser:
     """vLLM's parser with lookups by dest and env name."""
@@ -192,7 +180,7 @@ class _Parser:
         action = self.actions[dest]
         flag = action.option_strings[0]
         if action.nargs == 0:  # boolean flags
-            on = _parse_bool(text)
+            on = parse_bool(text)
             if isinstance(action, argparse.BooleanOptionalAction):
                 return (flag if on else "--no-" + flag[2:],)
             return (flag,) if on else ()
@@ -234,7 +222,7 @@ def _parser() -> _Parser:
 def known_env_names() -> frozenset[str]:
     """Every env var name this module reads."""
     return frozenset({d.upper() for d in _parser().env_dests} | set(ENV_ALIASES)
-                     | set(REMOVED_ENV) | set(RENAMED_ENV) | set(SPECULATIVE_ENV)
+                     | LEGACY_ENV
                      | {"VLLM_CONFIG_FILE", "LOCAL_MODEL_ARGS_FILE"})
 
 
@@ -305,69 +293,14 @@ def _config_file_layer(parser: _Parser, path: Path, errors: list[str]) -> dict[s
     return out
 
 
-def _env_value(name: str, env: Mapping[str, str]) -> str | None:
-    value = env.get(name, "").strip()
-    return value or None
-
-
-def _deprecated_env(env: Mapping[str, str]) -> Iterator[tuple[str, str]]:
-    """(new env name, value) for deprecated names; warn about removed ones."""
-    for name, reason in REMOVED_ENV.items():
-        if _env_value(name, env) is not None:
-            log.warning("%s is not supported by this vLLM version and is ignored: %s", name, reason)
-    for old, (new, convert) in RENAMED_ENV.items():
-        if (value := _env_value(old, env)) is not None:
-            log.warning("%s is deprecated, use %s", old, new)
-            if _env_value(new, env) is None:
-                yield new, convert(value)
-
-
-def _limit_mm_text(text: str) -> str:
-    """``image=2,video=1`` (worker-vllm's format) or vLLM's JSON → JSON."""
-    if text.startswith("{"):
-        return text
-    limits = {}
-    for part in text.split(","):
-        key, sep, count = part.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"expected 'modality=count,...' or JSON, got {text!r}")
-        limits[key.strip()] = int(count)
-    return json.dumps(limits)
-
-
-def _speculative_text(env: Mapping[str, str], errors: list[str]) -> str | None:
-    """Speculative config JSON assembled from the SPECULATIVE_* variables."""
-    config: dict[str, Any] = {}
-    for name, (key, convert) in SPECULATIVE_ENV.items():
-        if (value := _env_value(name, env)) is None:
-            continue
-        try:
-            config[key] = convert(value)
-        except ValueError as exc:
-            errors.append(f"env {name}={value!r}: {exc}")
-    # vLLM infers the method (ngram, eagle, draft model, ...) when only the model is named.
-    return json.dumps(config) if config else None
-
-
 def _env_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
-    texts = dict(_deprecated_env(env))
-    if (speculative := _speculative_text(env, errors)) is not None:
-        if _env_value("SPECULATIVE_CONFIG", env) is not None:
-            log.warning("SPECULATIVE_CONFIG is set: the SPECULATIVE_* variables are ignored")
-        else:
-            texts["SPECULATIVE_CONFIG"] = speculative
-    texts |= {name: value for name in env if name not in ENV_ALIASES
-              and (value := _env_value(name, env)) is not None}
-    if "LIMIT_MM_PER_PROMPT" in texts:
-        try:
-            texts["LIMIT_MM_PER_PROMPT"] = _limit_mm_text(texts["LIMIT_MM_PER_PROMPT"])
-        except ValueError as exc:
-            errors.append(f"env LIMIT_MM_PER_PROMPT: {exc}")
-            del texts["LIMIT_MM_PER_PROMPT"]
+    texts = {name: (value, f"env {name}") for name in env
+             if name not in ENV_ALIASES and (value := env_value(name, env)) is not None}
+    texts |= legacy_texts(env, errors)
     out: dict[str, Setting] = {}
-    for name, text in texts.items():
-        if (dest := parser.dest_for_env(name)) is not None:
-            _add(out, parser, dest, text, f"env {name}", errors)
+    for name, given in texts.items():
+        if given is not None and (dest := parser.dest_for_env(name)) is not None:
+            _add(out, parser, dest, given[0], given[1], errors)
     return out
 
 
@@ -380,7 +313,7 @@ def _lora_modules_text(text: str) -> str:
 def _alias_layer(parser: _Parser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
     out: dict[str, Setting] = {}
     for name, dest in ENV_ALIASES.items():
-        if (text := _env_value(name, env)) is None or dest not in parser.actions:
+        if (text := env_value(name, env)) is None or dest not in parser.actions:
             continue
         if name == "LORA_MODULES":
             try:
@@ -448,6 +381,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
             baked_model)
     if "lora_modules" in merged and "enable_lora" not in merged:  # adapters need LoRA on
         merged["enable_lora"] = Setting("enable_lora", ("--enable-lora",), "implied by lora_modules", True)
+    _default_to_all_gpus(merged)
     if "model" not in merged:
         errors.append("no model configured: set MODEL_NAME (or `model` in the config file)")
     namespace = _parse(parser, merged, errors)
@@ -461,6 +395,21 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     except (OSError, ValueError) as exc:  # e.g. offline with a repo id that is not in the cache
         raise ConfigError(f"invalid configuration:\n  {merged['model'].source}: {exc}") from None
     return ResolvedArgs(namespace, engine_args, merged, baked_model)
+
+
+def _default_to_all_gpus(merged: dict[str, Setting]) -> None:
+    """With no parallelism configured, shard the model over every visible GPU, as worker-vllm
+    did (it overrode even an explicit size); log the layout either way."""
+    if (count := visible_gpu_count()) <= 1:
+        return
+    if chosen := [merged[dest] for dest in PARALLEL_DESTS if dest in merged]:
+        log.info("%d GPUs visible; parallelism as configured: %s", count,
+                 ", ".join(f"{s.dest}={s.value} ({s.source})" for s in chosen))
+        return
+    merged["tensor_parallel_size"] = Setting(
+        "tensor_parallel_size", ("--tensor-parallel-size", str(count)), f"{count} visible GPUs", count)
+    log.info("%d GPUs visible and no TENSOR_PARALLEL_SIZE or PIPELINE_PARALLEL_SIZE set: "
+             "tensor_parallel_size=%d uses them all", count, count)
 
 
 def _check_local_model(setting: Setting) -> None:

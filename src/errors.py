@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
+from error_types import anthropic_type, openai_type
 from vllm_adapter import FATAL_ERRORS, NOT_FOUND_ERRORS, REQUEST_ERRORS
 
 
@@ -59,36 +60,29 @@ class ErrorPayload(JsonDict):
         self["error"] = JsonDict(self["error"])
 
 
-_TYPE_NAMES = {
-    HTTPStatus.BAD_REQUEST: "BadRequestError",
-    HTTPStatus.NOT_FOUND: "NotFoundError",
-    HTTPStatus.REQUEST_TIMEOUT: "TimeoutError",
-    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
-}
-
-
 def create_error_response(message: str, err_type: str | None = None,
                           status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
                           param: str | None = None) -> ErrorPayload:
     """The error item a job yields (name kept from worker-vllm's ``utils``)."""
     return ErrorPayload(error={
         "message": message,
-        "type": err_type or _TYPE_NAMES.get(status_code, "InternalServerError"),
+        "type": err_type or openai_type(status_code),
         "param": param,
         "code": int(status_code),
     })
 
 
-# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors).
-_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 529: "overloaded_error"}
-
-
 def anthropic_error(status: int, message: str) -> ErrorPayload:
     """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``."""
-    return ErrorPayload(type="error", error={
-        "type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message})
+    return ErrorPayload(type="error", error={"type": anthropic_type(status), "message": message})
+
+
+def error_response(status: HTTPStatus, message: str, *, param: str | None = None,
+                   anthropic: bool = False) -> ErrorPayload:
+    """An error item in the job's dialect: Anthropic's on ``/v1/messages``, else OpenAI's."""
+    if anthropic:
+        return anthropic_error(status, message)
+    return create_error_response(message, status_code=status, param=param)
 
 
 def is_fatal(exc: BaseException) -> bool:
@@ -106,9 +100,8 @@ def error_status(exc: BaseException) -> HTTPStatus:
     return HTTPStatus.INTERNAL_SERVER_ERROR
 
 
-def error_from_exception(exc: BaseException) -> ErrorPayload:
+def error_from_exception(exc: BaseException, *, anthropic: bool = False) -> ErrorPayload:
     """Map any exception to the payload, keeping its real message and parameter."""
-    status = error_status(exc)
     param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
-    message = str(exc) or type(exc).__name__
-    return create_error_response(message, status_code=status, param=param)
+    return error_response(error_status(exc), str(exc) or type(exc).__name__, param=param,
+                          anthropic=anthropic)

@@ -30,12 +30,13 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 from deadlines import DeadlinePassed, Deadlines
+from error_types import is_anthropic_route
 from errors import (
     ConfigError,
     ErrorPayload,
     RequestError,
-    create_error_response,
     error_from_exception,
+    error_response,
     is_fatal,
 )
 from job_input import JobInput
@@ -79,16 +80,17 @@ def _exit_now(code: int) -> None:
 
 
 def _deadline_error(job_id: Any, passed: DeadlinePassed, timeout: float | None,
-                    grace_period: float) -> ErrorPayload:
+                    grace_period: float, anthropic: bool) -> ErrorPayload:
     if passed.shutdown:
         log.warning("Job %s still running at the end of the shutdown grace period; aborted", job_id)
-        return create_error_response(
+        return error_response(
+            HTTPStatus.SERVICE_UNAVAILABLE,
             f"the worker is shutting down and the job did not finish within the {grace_period:g} s "
-            "grace period (SHUTDOWN_GRACE_PERIOD); it was aborted",
-            status_code=HTTPStatus.SERVICE_UNAVAILABLE)
+            "grace period (SHUTDOWN_GRACE_PERIOD); it was aborted", anthropic=anthropic)
     log.warning("Job %s ran past its %s s timeout; aborted", job_id, timeout)
-    return create_error_response(f"the job ran past its timeout of {timeout:g} s and was aborted",
-                                 status_code=HTTPStatus.REQUEST_TIMEOUT, param="timeout")
+    return error_response(HTTPStatus.REQUEST_TIMEOUT,
+                          f"the job ran past its timeout of {timeout:g} s and was aborted",
+                          param="timeout", anthropic=anthropic)
 
 
 def _add_grace_period(grace_period: float) -> None:
@@ -118,23 +120,26 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         yield error_from_exception(exc)
         return
     engine = openai_engine if job_input.openai_route else vllm_engine
+    anthropic = is_anthropic_route(job_input.openai_route)  # errors in the route's dialect
     if engine is None:
         what = f"route {job_input.openai_route!r}" if job_input.openai_route else "raw jobs"
-        yield create_error_response(f"this worker does not serve {what}")
+        yield error_response(HTTPStatus.BAD_REQUEST, f"this worker does not serve {what}",
+                             anthropic=anthropic)
         return
     timeout = job_input.timeout or engine.settings.job_timeout
     try:
         async for item in deadlines.bound(engine.generate(job_input), timeout):
             yield item
     except DeadlinePassed as passed:
-        yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period)
+        yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period,
+                              anthropic)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
         if is_fatal(exc):
             log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
             _exit_soon(1)
         else:
             log.warning("Job %s failed: %s", job.get("id"), exc)
-        yield error_from_exception(exc)
+        yield error_from_exception(exc, anthropic=anthropic)
 
 
 def _configure_logging() -> None:
@@ -195,6 +200,9 @@ def main() -> None:
         phase("engine")
         openai_engine = OpenAIvLLMEngine(vllm_engine)
         phase("serving")
+    except ConfigError as exc:  # a combination vLLM rejects, found before the model loads
+        log.error("Worker configuration error: %s", exc)
+        sys.exit(2)
     except Exception:
         log.exception("Worker startup failed")
         sys.exit(1)

@@ -28,7 +28,7 @@ __all__ = ["JobInput"]
 class JobInput(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    prompt: str | None = None
+    prompt: str | list[dict[str, Any]] | None = None  # a message list here is chat, as worker-vllm read it
     messages: list[dict[str, Any]] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
@@ -47,6 +47,14 @@ class JobInput(BaseModel):
     def _zero_means_default(cls, value: Any) -> Any:
         return None if value == 0 else value
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_messages(cls, value: Any) -> Any:
+        if value is None or isinstance(value, str) or (
+                isinstance(value, list) and all(isinstance(m, dict) for m in value)):
+            return value
+        raise ValueError("expected a string, or a list of chat messages (JSON objects)")
+
     @model_validator(mode="after")
     def _needs_input(self) -> JobInput:
         if self.openai_route is None and self.prompt is None and self.messages is None:
@@ -59,7 +67,7 @@ class JobInput(BaseModel):
 
     @property
     def llm_input(self) -> str | list[dict[str, Any]] | None:
-        """``messages`` when given (and not null), else ``prompt``."""
+        """``messages`` when given (and not null), else ``prompt``; a list is chat messages."""
         return self.messages if self.messages is not None else self.prompt
 
     @classmethod

@@ -32,6 +32,7 @@ import msgspec
 from asgi_client import Response, request
 from batching import BatchSize
 from engine import job_batch_size, vLLMEngine
+from error_types import is_anthropic_route
 from errors import ErrorPayload, anthropic_error, create_error_response
 from job_input import JobInput
 from settings import WorkerSettings
@@ -56,8 +57,6 @@ ROUTES: dict[str, tuple[str, str]] = {
     "/v1/detokenize": ("POST", "/detokenize"),
 }
 
-
-ANTHROPIC_PATHS = frozenset({"/v1/messages"})
 
 
 def _split_events(buffer: str) -> tuple[list[str], str]:
@@ -93,11 +92,13 @@ def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
     if status < 400:
         return content
     error = content.get("error") if isinstance(content, dict) else None
+    if isinstance(error, str):  # e.g. vLLM's {"error": "Unauthorized"}
+        error = {"message": error}
     message = (error.get("message") if isinstance(error, dict) else None) or str(
         content.get("detail") if isinstance(content, dict) else content)
     if anthropic:
         return anthropic_error(status, message)
-    if isinstance(error, dict):
+    if isinstance(error, dict) and "type" in error:
         return ErrorPayload(content)  # vLLM's own error body, as it is
     return create_error_response(message, status_code=HTTPStatus(status))
 
@@ -198,7 +199,8 @@ class OpenAIvLLMEngine:
         async with request(self.app, method, path, body) as response:
             if not response.is_event_stream:
                 content = b"".join([chunk async for chunk in response.body])
-                yield _json_item(response.status, content, anthropic=path in ANTHROPIC_PATHS)
+                yield _json_item(response.status, content,
+                                 anthropic=is_anthropic_route(job.openai_route))
                 return
             size = job_batch_size(job, self.settings)
             async for batch in _event_batches(response, size, _preamble(path, body)):

@@ -107,6 +107,9 @@ def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
         problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))
+    if env.get("VLLM_API_KEY"):
+        log.warning("VLLM_API_KEY is ignored: RunPod authenticates callers, and jobs reach vLLM's "
+                    "routes in-process, without a bearer token")
     log.info("Engine config: %s", args.summary())
     log.info("Worker settings: %s", settings.model_dump())
     return WorkerConfig(settings, args)

@@ -12,13 +12,17 @@ import logging
 import re
 
 import msgspec
+import pydantic
 import torch
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+from vllm.config import VllmConfig
 from vllm.outputs import RequestOutput
+from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
 from vllm.reasoning import ReasoningParserManager
 from vllm.renderers.chat_utils import load_chat_template
@@ -33,10 +37,11 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = [
     "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser", "build_openai_app",
-    "engine_arg_dests", "EngineDeadError", "FATAL_ERRORS", "load_chat_template",
+    "create_engine_config", "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message",
+    "EngineDeadError", "FATAL_ERRORS", "load_chat_template",
     "make_sampling_params", "NOT_FOUND_ERRORS", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
     "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
-    "TokensPrompt", "validate_frontend_args",
+    "TokensPrompt", "validate_frontend_args", "visible_gpu_count", "VllmConfig",
 ]
 
 # Errors after which the engine cannot serve again: the worker must be replaced.
@@ -97,9 +102,35 @@ def validate_frontend_args(namespace: argparse.Namespace) -> list[str]:
     return problems
 
 
-def start_engine(engine_args: AsyncEngineArgs) -> AsyncLLM:
-    """AsyncLLM as `vllm serve` builds it (server usage context: its scheduling defaults)."""
-    return AsyncLLM.from_engine_args(engine_args, usage_context=UsageContext.OPENAI_API_SERVER)
+# What vLLM raises for a configuration it rejects (a missing model or network error is not one).
+ENGINE_CONFIG_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)
+
+
+def visible_gpu_count() -> int:
+    """GPUs this process may use (after CUDA_VISIBLE_DEVICES); 0 on a machine without CUDA/ROCm."""
+    return current_platform.device_count() if current_platform.is_cuda_alike() else 0
+
+
+def create_engine_config(engine_args: AsyncEngineArgs) -> VllmConfig:
+    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults).
+
+    Mutates ``engine_args``, as vLLM does."""
+    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+
+
+def engine_config_message(exc: BaseException) -> str:
+    """vLLM's reason for rejecting a configuration, without pydantic's boilerplate."""
+    if isinstance(exc, pydantic.ValidationError):
+        return "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
+    return str(exc) or type(exc).__name__
+
+
+def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs) -> AsyncLLM:
+    """AsyncLLM as `vllm serve` builds it, from the configuration made by ``create_engine_config``."""
+    return AsyncLLM.from_vllm_config(
+        vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
+        enable_log_requests=engine_args.enable_log_requests,
+        disable_log_stats=engine_args.disable_log_stats)
 
 
 async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
@@ -118,6 +149,10 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
         # Building it imports model_hosting_container_standards (vLLM's SageMaker routes), which sets
         # the root logger to $LOG_LEVEL or else ERROR: that would silence the worker's own logs.
         root.setLevel(level)
+    # RunPod authenticates callers; a VLLM_API_KEY in the environment would make vLLM demand a
+    # bearer token that jobs never carry. (vLLM has already built the stack: build it again.)
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthenticationMiddleware]
+    app.middleware_stack = app.build_middleware_stack()
     await init_app_state(engine, app.state, namespace, supported_tasks)
     freeze_gc_heap()
     return app

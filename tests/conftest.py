@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -35,6 +36,20 @@ for _name, _value in CPU_ENV.items():
 SMOLLM2_DTYPE = "float32"
 
 sys.path.insert(0, str(REPO / "scripts"))
+
+
+@pytest.fixture
+def capture_info(caplog):
+    """Libraries loaded by other tests may raise the root log level; capture INFO and up anyway."""
+    caplog.set_level(logging.INFO)
+
+
+@pytest.fixture
+def hub_lookups_off(monkeypatch):
+    """Settings resolved for made-up model ids: skip vLLM's offline id→cache-path rewrite."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,15 @@
 import asyncio
 import json
 
+import anthropic
+import openai
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from endpoint.app import EndpointConfig, create_app
+
+import handler
+from deadlines import DeadlinePassed
+from error_types import is_anthropic_route
 
 
 def with_client(scenario, **config):
@@ -63,3 +70,46 @@ def test_worker_protocol_round_trip():
     assert taken == {"id": job["id"], "input": {"prompt": "x"}}
     assert stream["status"] == "IN_PROGRESS" and stream["stream"] == [{"output": "part"}]
     assert status["status"] == "COMPLETED" and status["output"] == ["part"] and empty == 204
+
+
+@pytest.mark.parametrize(("shutdown", "status", "anthropic_type"),
+                         [(False, 408, "timeout_error"), (True, 503, "overloaded_error")])
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])
+def test_the_workers_own_errors_reach_the_sdks_with_their_status_and_dialect(
+        route, shutdown, status, anthropic_type):
+    """A job timeout or the shutdown grace period, as the handler words it and the runpod SDK
+    posts it (``str()`` of the item's ``error``), through the relay to the official clients."""
+    wording = handler._deadline_error("j", DeadlinePassed(shutdown), 0.3, 25.0,
+                                      anthropic=is_anthropic_route(route))
+
+    async def worker(client):
+        while (taken := await client.get("/v2/local/job-take/w1?gpu=x&job_in_progress=0")).status != 200:
+            pass
+        job = await taken.json()
+        await client.post(f"/v2/local/job-done/w1/{job['id']}?gpu=x&isStream=false",
+                          data=json.dumps({"error": str(wording["error"])}))
+
+    async def scenario(client):
+        base = f"http://127.0.0.1:{client.port}/v2/local/openai"
+        body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
+        if is_anthropic_route(route):
+            sdk = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
+            call = sdk.messages.create(**body)
+        else:
+            sdk = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+            call = sdk.chat.completions.create(**body)
+        serving = asyncio.ensure_future(worker(client))
+        try:
+            await call
+        except (anthropic.APIStatusError, openai.APIStatusError) as exc:
+            return exc
+        finally:
+            await serving
+
+    error = with_client(scenario)
+    assert error.status_code == status
+    if is_anthropic_route(route):
+        assert error.body == {"type": "error", "error": {"type": anthropic_type,
+                                                         "message": wording["error"]["message"]}}
+    else:
+        assert error.body["code"] == status and error.body["message"] == wording["error"]["message"]

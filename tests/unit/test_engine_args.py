@@ -11,19 +11,7 @@ from engine_args import WORKER_DEFAULTS, resolve_args
 from errors import ConfigError
 from settings import load_config, load_settings
 
-
-@pytest.fixture(autouse=True)
-def _capture_warnings(caplog):
-    """Libraries loaded by other tests may raise the root log level; capture warnings anyway."""
-    caplog.set_level(logging.INFO)
-
-
-@pytest.fixture(autouse=True)
-def _hub_lookups_off(monkeypatch):
-    """These tests use made-up model ids: skip vLLM's offline id→cache-path rewrite."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 
 
 @pytest.fixture

@@ -22,18 +22,13 @@ import jsonschema
 import pytest
 from conftest import REPO
 
-from engine_args import (
-    ENV_ALIASES,
-    FRONTEND_DESTS,
-    REMOVED_ENV,
-    RENAMED_ENV,
-    WORKER_DEFAULTS,
-    ZERO_MEANS_UNSET,
-    known_env_names,
-)
+from engine_args import ENV_ALIASES, FRONTEND_DESTS, WORKER_DEFAULTS, ZERO_MEANS_UNSET, known_env_names
 from job_input import JobInput
+from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
 from openai_engine import ROUTES
 from settings import WorkerSettings, load_config
+
+pytestmark = pytest.mark.usefixtures("hub_lookups_off")
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
 HUB = json.loads((REPO / ".runpod" / "hub.json").read_text())
@@ -62,14 +57,6 @@ NOT_OFFERED = {
     "TOOL_STRICT_LEVEL",  # vLLM's `auto` suits every model; a knob for parser developers
     "ENABLE_LOG_OUTPUTS", "ENABLE_LOG_DELTAS", "LOG_ERROR_STACK", "MAX_LOG_LEN",  # debugging
 }
-
-
-@pytest.fixture(autouse=True)
-def _hub_lookups_off(monkeypatch):
-    """Settings are resolved for made-up model ids: skip vLLM's offline id→cache-path rewrite."""
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
 
 
 def worker_env(**env: str) -> dict[str, str]:
@@ -239,7 +226,7 @@ def test_worker_config_is_the_image_the_bake_file_builds():
 def readable_names() -> set[str]:
     """Env vars the worker reads. Deprecated and removed names are read only to warn, and of a
     worker setting's aliases only the first counts."""
-    engine = known_env_names() - set(REMOVED_ENV) - set(RENAMED_ENV)
+    engine = known_env_names() - set(REMOVED_ENV) - set(RENAMED_ENV) - set(ROPE_ENV)
     return engine | set(WORKER_SETTINGS) | set(READ_ELSEWHERE)
 
 

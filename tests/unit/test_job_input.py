@@ -38,7 +38,8 @@ def test_batch_overrides_coerced_and_zero_means_default():
 
 @pytest.mark.parametrize(("payload", "param", "fragment"), [
     ({"messages": "hi"}, "messages", "valid list"),
-    ({"prompt": 12}, "prompt", "valid string"),
+    ({"prompt": 12}, "prompt", "expected a string, or a list of chat messages"),
+    ({"prompt": ["hi"]}, "prompt", "expected a string, or a list of chat messages"),
     ({}, None, "needs 'prompt', 'messages' or 'openai_route'"),
     ({"prompt": "x", "max_batch_size": -1}, "max_batch_size", "greater than or equal to 1"),
     ({"prompt": "x", "stream": "often"}, "stream", "valid boolean"),

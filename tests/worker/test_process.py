@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
-from conftest import CPU_ENV, REPO, alive, descendants, engine_env, free_port, wait_for
+from conftest import CPU_ENV, REPO, alive, descendants, engine_env, wait_for
 
 HANDLER = str(REPO / "src" / "handler.py")
 
@@ -31,6 +32,9 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
     ({"MAX_CONCURRENCY": "lots"}, "MAX_CONCURRENCY='lots'"),
     ({"LORA_MODULES": '{"name": "a"}'}, "LORA_MODULES"),
     ({"MODEL_NAME": "/nonexistent/model"}, "MODEL_NAME='/nonexistent/model': no such directory"),
+    # vLLM itself rejects this combination when it builds the engine's configuration
+    ({"NGRAM_PROMPT_LOOKUP_MAX": "2", "NGRAM_PROMPT_LOOKUP_MIN": "5", "NUM_SPECULATIVE_TOKENS": "3"},
+     "NGRAM_PROMPT_LOOKUP_MIN: prompt_lookup_min=5 must be <= prompt_lookup_max=2"),
 ])
 def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
     started = time.monotonic()
@@ -46,21 +50,21 @@ def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
 
 @pytest.fixture(scope="module")
 def rp_api(models, tmp_path_factory):
-    port = free_port()
+    # Port 0: uvicorn binds a free port only once the engine has started (~20 s), and logs it; a
+    # port picked here could be taken by then (by vLLM's own free-port probe, among others).
     log = tmp_path_factory.mktemp("rp-api") / "worker.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, HANDLER, "--rp_serve_api", "--rp_api_port", str(port),
-             "--rp_api_host", "127.0.0.1"],
-            env=worker_env(**engine_env(models["tiny-llama"])), stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+            [sys.executable, HANDLER, "--rp_serve_api", "--rp_api_port", "0", "--rp_api_host", "127.0.0.1"],
+            env=worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info"),
+            stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            urllib.request.urlopen(url + "/docs", timeout=2)
+        if started := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text()):
+            url = started[1]
+            urllib.request.urlopen(url + "/docs", timeout=10)
             break
-        except OSError:
-            time.sleep(1)
+        time.sleep(1)
     else:
         proc.kill()
         pytest.fail("worker did not come up:\n" + log.read_text()[-3000:])
