@@ -15,12 +15,12 @@ import msgspec
 import pydantic
 import torch
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+from vllm.config import VllmConfig
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
-from vllm.config import VllmConfig
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
