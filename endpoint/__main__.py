@@ -107,8 +107,8 @@ class Supervisor:
             for worker, proc in self.procs.items():
                 if proc.poll() is not None and not self.store.is_gone(worker):
                     print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
+                    await self.store.forget(worker)  # first: its jobs fail now, not after the clean-up
                     await asyncio.to_thread(_reap, proc, self.workdirs[worker])
-                    await self.store.forget(worker)
             await asyncio.sleep(1)
 
     def stop(self) -> None:
