@@ -97,7 +97,8 @@ def _stub_engines(raw_openai_output: bool):
     """A vLLMEngine and an OpenAIvLLMEngine around the stubs, built without a model."""
     from engine import vLLMEngine
     from event_loop import BackgroundLoop
-    from openai_engine import ROUTES, OpenAIvLLMEngine
+    from openai_engine import OpenAIvLLMEngine
+    from routes import Route, RouteTable
     from settings import load_settings
 
     settings = load_settings({"RAW_OPENAI_OUTPUT": str(raw_openai_output).lower()})
@@ -106,7 +107,7 @@ def _stub_engines(raw_openai_output: bool):
     engine.tokenizer = types.SimpleNamespace(encode=lambda text, add_special_tokens: [0] * 16)
     served = object.__new__(OpenAIvLLMEngine)
     served.engine, served.settings, served.app = engine, settings, StubApp()
-    served.routes = {CHAT_ROUTE: ROUTES[CHAT_ROUTE]}
+    served.routes = RouteTable([Route(CHAT_ROUTE, frozenset({"POST"}))])
     return engine, served
 
 

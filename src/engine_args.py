@@ -74,7 +74,7 @@ FRONTEND_DESTS = frozenset({
     "exclude_tools_when_tool_choice_none", "enable_force_include_usage", "enable_log_outputs",
     "enable_log_deltas", "enable_prompt_tokens_details", "log_error_stack", "lora_modules",
     "response_role", "return_tokens_as_token_ids", "trust_request_chat_template",
-    "max_log_len", "tool_strict_level",
+    "max_log_len", "tool_strict_level", "enable_scale_out", "enable_tokenizer_info_endpoint",
 })
 
 # Engine fields never taken from a bare env var: huggingface_hub reads HF_TOKEN itself, and

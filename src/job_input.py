@@ -1,16 +1,17 @@
 """``JobInput``: one validated view of ``job["input"]``, for raw and OpenAI-route jobs.
 
 Raw jobs carry ``prompt`` or ``messages`` plus ``sampling_params`` and stream batching knobs;
-OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body). Unknown keys are
-ignored, as worker-vllm did. Plain data: no vLLM here.
+OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body), or, as worker-vllm
+2.24 and later, ``route``, ``body`` and ``method``. Unknown keys are ignored, as worker-vllm did. Plain data: no vLLM here.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -36,11 +37,19 @@ class JobInput(BaseModel):
     max_batch_size: int | None = Field(None, ge=1)
     min_batch_size: int | None = Field(None, ge=1)
     batch_size_growth_factor: float | None = Field(None, ge=1, allow_inf_nan=False)
-    openai_route: str | None = None
-    openai_input: dict[str, Any] | None = None
+    # worker-vllm >= 2.24 spells these route/body (with method): both shapes are accepted.
+    openai_route: str | None = Field(None, validation_alias=AliasChoices("openai_route", "route"))
+    openai_input: dict[str, Any] | None = Field(
+        None, validation_alias=AliasChoices("openai_input", "body"))
+    method: Literal["GET", "POST", "PUT", "DELETE"] | None = None  # else the route's own
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds; else JOB_TIMEOUT
     # Not an input field: vLLM needs unique ids, so a client cannot choose one.
     _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @field_validator("max_batch_size", "min_batch_size", "batch_size_growth_factor", mode="before")
     @classmethod

@@ -33,30 +33,16 @@ from asgi_client import Response, request
 from batching import BatchSize
 from engine import job_batch_size, vLLMEngine
 from error_types import is_anthropic_route
-from errors import ErrorPayload, anthropic_error, create_error_response
+from errors import ErrorPayload, anthropic_error, create_error_response, error_response
+from forms import form_body
 from job_input import JobInput
+from routes import DENIED, RouteTable
 from settings import WorkerSettings
 from vllm_adapter import build_openai_app
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OpenAIvLLMEngine", "ROUTES"]
-
-# Job route → (HTTP method, vLLM's path). The worker serves these when vLLM's app has the path
-# for this model (embeddings only for pooling models, generation routes only for generative ones).
-ROUTES: dict[str, tuple[str, str]] = {
-    "/v1/models": ("GET", "/v1/models"),
-    "/v1/chat/completions": ("POST", "/v1/chat/completions"),
-    "/v1/completions": ("POST", "/v1/completions"),
-    "/v1/responses": ("POST", "/v1/responses"),
-    "/v1/messages": ("POST", "/v1/messages"),
-    "/v1/embeddings": ("POST", "/v1/embeddings"),
-    "/tokenize": ("POST", "/tokenize"),
-    "/detokenize": ("POST", "/detokenize"),
-    "/v1/tokenize": ("POST", "/tokenize"),
-    "/v1/detokenize": ("POST", "/detokenize"),
-}
-
+__all__ = ["OpenAIvLLMEngine"]
 
 
 def _split_events(buffer: str) -> tuple[list[str], str]:
@@ -119,15 +105,6 @@ class _EventSplitter:
         return [self._rest] if self._rest.strip() else []
 
 
-def _preamble(path: str, body: Any) -> int:
-    """How many events vLLM streams on ``path`` before any output: a chat stream's role chunk per
-    choice, Anthropic's ``message_start``, the Responses API's ``created`` and ``in_progress``."""
-    if path == "/v1/chat/completions":
-        n = body.get("n") if isinstance(body, dict) else None
-        return n if isinstance(n, int) and n > 0 else 1
-    return {"/v1/messages": 1, "/v1/responses": 2}.get(path, 0)
-
-
 async def _event_batches(response: Response, size: BatchSize,
                          preamble: int = 0) -> AsyncIterator[list[str]]:
     """The response's SSE events in batches of ``size`` (as ``batched`` makes them).
@@ -165,10 +142,9 @@ class OpenAIvLLMEngine:
         started = time.perf_counter()
         # Created once, in the engine's loop, before any job: no lazy first-request set-up.
         self.app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, self.namespace))
-        paths = {getattr(route, "path", None) for route in self.app.routes}
-        self.routes = {name: target for name, target in ROUTES.items() if target[1] in paths}
+        self.routes = RouteTable.from_app(self.app)
         log.info("OpenAI routes ready in %.2fs: %s", time.perf_counter() - started,
-                 ", ".join(self.routes))
+                 ", ".join(self.routes.names()))
 
     @property
     def served_model_name(self) -> str:
@@ -181,29 +157,34 @@ class OpenAIvLLMEngine:
             yield item
 
     def _route_error(self, route: str | None) -> ErrorPayload:
-        if route in ROUTES:
-            return create_error_response(
-                f"route {route!r} is not available for model {self.served_model_name!r} "
-                f"(this model serves: {', '.join(self.routes)})", status_code=HTTPStatus.BAD_REQUEST,
-                param="openai_route")
-        return create_error_response(
-            f"unknown route {route!r}; supported routes: {', '.join(self.routes)}",
-            status_code=HTTPStatus.NOT_FOUND, param="openai_route")
+        if route in DENIED:
+            message = f"route {route!r} is not served to jobs: {DENIED[route]}"
+        else:
+            message = (f"route {route!r} is not served for model {self.served_model_name!r}; "
+                       f"this model serves: {', '.join(self.routes.names())}")
+        return error_response(HTTPStatus.NOT_FOUND, message, param="openai_route",
+                              anthropic=is_anthropic_route(route))
 
     async def _generate(self, job: JobInput) -> AsyncIterator[Any]:
-        if job.openai_route not in self.routes:
+        if (route := self.routes.find(job.openai_route)) is None:
             yield self._route_error(job.openai_route)
             return
-        method, path = self.routes[job.openai_route]
-        body = None if method == "GET" else (job.openai_input or {})
-        async with request(self.app, method, path, body) as response:
+        body, content_type = job.openai_input, "application/json"
+        method = job.method or route.method_for(body)
+        if method == "GET":
+            body = None
+        elif route.form:
+            body, content_type = form_body(body or {})
+        else:
+            body = body or {}
+        path = self.routes.vllm_path(job.openai_route)
+        async with request(self.app, method, path, body, content_type) as response:
             if not response.is_event_stream:
                 content = b"".join([chunk async for chunk in response.body])
-                yield _json_item(response.status, content,
-                                 anthropic=is_anthropic_route(job.openai_route))
+                yield _json_item(response.status, content, anthropic=route.anthropic)
                 return
             size = job_batch_size(job, self.settings)
-            async for batch in _event_batches(response, size, _preamble(path, body)):
+            async for batch in _event_batches(response, size, route.preamble(job.openai_input)):
                 if self.settings.raw_openai_output:
                     yield "".join(batch)
                 elif parsed := _events_json(batch):

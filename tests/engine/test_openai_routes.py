@@ -306,7 +306,7 @@ def test_embeddings_match_vllm_offline(minilm_openai, run_openai, offline_embedd
 
 def test_embeddings_on_a_generative_model_is_a_clear_error(tiny_openai, run_openai):
     (item,) = run_openai(tiny_openai, "/v1/embeddings", {"model": model_of(tiny_openai), "input": "x"})
-    assert item["error"]["code"] == 400 and "not available for model" in item["error"]["message"]
+    assert item["error"]["code"] == 404 and "not served for model" in item["error"]["message"]
 
 
 def test_generation_on_a_pooling_model_is_a_clear_error(minilm_openai, run_openai):

@@ -25,7 +25,7 @@ from conftest import REPO
 from engine_args import ENV_ALIASES, FRONTEND_DESTS, WORKER_DEFAULTS, ZERO_MEANS_UNSET, known_env_names
 from job_input import JobInput
 from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
-from openai_engine import ROUTES
+from routes import REVIEWED
 from settings import WorkerSettings, load_config
 
 pytestmark = pytest.mark.usefixtures("hub_lookups_off")
@@ -287,7 +287,7 @@ def test_hub_tests_are_a_raw_job_and_an_openai_chat_job_on_smollm2():
     load_config(worker_env(**env))
     jobs = [JobInput.from_job({"id": test["name"], "input": test["input"]}) for test in HUB_TESTS["tests"]]
     assert [job.openai_route for job in jobs] == [None, "/v1/chat/completions"]
-    assert jobs[0].prompt and jobs[1].openai_route in ROUTES
+    assert jobs[0].prompt and jobs[1].openai_route in REVIEWED
     chat = ChatCompletionRequest.model_validate(jobs[1].openai_input)
     assert chat.model == env["MODEL_NAME"]  # the served name: another would be a 404
 
