@@ -30,7 +30,7 @@ _DATA_URL = re.compile(r"data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[^,]*)?;base64,(?P
 
 def _file(fields: dict[str, Any]) -> tuple[str, bytes, str]:
     """(filename, bytes, content type) of the upload."""
-    key = "file" if "file" in fields else "file_url"
+    key = "file_url" if "file_url" in fields and "file" not in fields else "file"
     given = fields.get(key)
     if not isinstance(given, str) or not given:
         raise RequestError("the form needs 'file': the file's bytes base64-encoded, or a data: URL",
