@@ -3,6 +3,7 @@ aside) what vLLM's own HTTP server answers, on the same model with the same flag
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -12,9 +13,11 @@ import httpx
 import pytest
 
 from engine_args import ZERO_MEANS_UNSET, resolve_args
+from openai_engine import OpenAIvLLMEngine
 
 # Values that differ between any two calls (sequence numbers: see canonical_stream).
-VOLATILE_KEYS = frozenset({"id", "created", "created_at", "item_id", "completed_at", "sequence_number"})
+VOLATILE_KEYS = frozenset({"id", "request_id", "created", "created_at", "item_id", "completed_at",
+                           "sequence_number"})
 
 
 def serve_argv(env: dict[str, str]) -> list[str]:
@@ -31,7 +34,8 @@ def vllm_servers(tiny_env, minilm_env, tmp_path_factory):
     client for it. Each listens on its own Unix socket: no TCP port to pick, which another server
     (or the engine's own free-port probe) could take before vLLM binds it."""
     servers, procs = {}, []
-    for name, env in (("tiny", tiny_env), ("minilm", minilm_env)):
+    # Scale-out (render, token-in) routes on for the tiny model; the worker has its own engine for them.
+    for name, env in (("tiny", {**tiny_env, "ENABLE_SCALE_OUT": "true"}), ("minilm", minilm_env)):
         folder = tmp_path_factory.mktemp("vllm-serve")
         log, uds = folder / f"{name}.log", folder / f"{name}.sock"
         argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *serve_argv(env),
@@ -118,8 +122,9 @@ def canonical_stream(events) -> tuple[list, dict]:
     return others, texts
 
 
-TINY = "tiny"
+TINY, SCALE_OUT, MINILM = "tiny", "tiny-scale-out", "minilm"
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12, "temperature": 0}
+QUERY, DOCUMENTS = "What is the capital of France?", ["Bananas are yellow.", "Paris is the capital."]
 CASES = [
     (TINY, "GET", "/v1/models", None),
     (TINY, "POST", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}),
@@ -136,7 +141,21 @@ CASES = [
     (TINY, "POST", "/detokenize", {"tokens": [5, 6, 7]}),
     (TINY, "POST", "/v1/chat/completions", {"messages": "not a list"}),
     (TINY, "POST", "/v1/chat/completions", {**CHAT, "model": "no-such-model"}),
-    ("minilm", "POST", "/v1/embeddings", {"input": ["The capital of France is Paris.", "Hello"]}),
+    (TINY, "POST", "/v1/messages/count_tokens", {"messages": CHAT["messages"], "system": "Be brief."}),
+    (TINY, "POST", "/v1/chat/completions/batch",
+     {"messages": [CHAT["messages"], [{"role": "user", "content": "Hi"}]], "max_tokens": 6, "temperature": 0}),
+    (SCALE_OUT, "POST", "/v1/chat/completions/render", {"messages": CHAT["messages"]}),
+    (SCALE_OUT, "POST", "/v1/completions/render", {"prompt": "Once upon a time"}),
+    (SCALE_OUT, "POST", "/v1/messages/render", {"messages": CHAT["messages"], "max_tokens": 5}),
+    (SCALE_OUT, "POST", "/inference/v1/generate",
+     {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "temperature": 0}}),
+    (MINILM, "POST", "/v1/embeddings", {"input": ["The capital of France is Paris.", "Hello"]}),
+    (MINILM, "POST", "/pooling", {"input": "The capital of France is Paris."}),
+    (MINILM, "POST", "/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+    (MINILM, "POST", "/v1/score", {"queries": QUERY, "documents": DOCUMENTS}),
+    (MINILM, "POST", "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 1}),
+    (MINILM, "POST", "/v2/rerank", {"query": QUERY, "documents": DOCUMENTS}),
+    (MINILM, "POST", "/v2/embed", {"texts": [QUERY], "embedding_types": ["float"]}),
 ]
 STREAMABLE = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 
@@ -151,8 +170,10 @@ PARAMS = [pytest.param(case, stream, id=f"{case_id(case)}-{'stream' if stream el
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_openai, minilm_openai):
-    return {"tiny": tiny_openai, "minilm": minilm_openai}
+def workers(tiny_engine, tiny_openai, minilm_openai):
+    namespace = copy.copy(tiny_engine.config.args.namespace)
+    namespace.enable_scale_out = True
+    return {TINY: tiny_openai, SCALE_OUT: OpenAIvLLMEngine(tiny_engine, namespace), MINILM: minilm_openai}
 
 
 @pytest.mark.parametrize(("case", "stream"), PARAMS)
@@ -162,7 +183,7 @@ def test_worker_answers_as_vllm_serve(vllm_servers, workers, run_openai, case, s
     if body is not None:
         body = {"model": worker.served_model_name, **body, **({"stream": True} if stream else {})}
     items = run_openai(worker, route, body)
-    http = vllm_servers[model].request(method, route, json=body)
+    http = vllm_servers[model.removesuffix("-scale-out")].request(method, route, json=body)
     if stream and http.headers["content-type"].startswith("text/event-stream"):
         assert all(isinstance(item, str) for item in items)
         assert canonical_stream(parse_sse("".join(items))) == canonical_stream(parse_sse(http.text))
