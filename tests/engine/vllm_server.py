@@ -1,0 +1,120 @@
+"""vLLM's own HTTP server beside the worker, for the parity tests: the same model and flags."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine_args import ZERO_MEANS_UNSET, resolve_args
+
+# Values that differ between any two calls (sequence numbers: see canonical_stream).
+VOLATILE_KEYS = frozenset({"id", "request_id", "created", "created_at", "item_id", "completed_at",
+                           "sequence_number"})
+
+
+def serve_argv(env: dict[str, str]) -> list[str]:
+    """`vllm serve` flags equal to the worker's resolved configuration."""
+    resolved = resolve_args(env)
+    return [token for setting in resolved.settings.values()
+            if not (setting.dest in ZERO_MEANS_UNSET and getattr(resolved.namespace, setting.dest) is None)
+            for token in setting.tokens]
+
+
+def _healthy(server: httpx.Client) -> bool:
+    try:
+        return server.get("/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+@contextlib.contextmanager
+def vllm_servers(envs: dict[str, dict[str, str]], folder: Path) -> Iterator[dict[str, httpx.Client]]:
+    """vLLM's HTTP server (python -m vllm.entrypoints.launchers.api_server.entry) per named env,
+    as a client for it. Each listens on its own Unix socket: no TCP port to pick, which another
+    server (or the engine's own free-port probe) could take before vLLM binds it."""
+    servers, procs = {}, []
+    for name, env in envs.items():
+        log, uds = folder / f"{name}.log", folder / f"{name}.sock"
+        argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *serve_argv(env),
+                "--uds", str(uds)]
+        procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
+        servers[name] = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://vllm",
+                                     timeout=120)
+    try:
+        deadline = time.monotonic() + 300 * len(envs)
+        for (proc, log), server in zip(procs, servers.values(), strict=True):
+            while not _healthy(server):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.close()
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            proc.wait(timeout=60)
+
+
+def normalize(value):
+    if isinstance(value, dict):
+        return {k: "<volatile>" if k in VOLATILE_KEYS else normalize(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [normalize(v) for v in value]
+    return value
+
+
+def parse_sse(text: str) -> list[tuple[str | None, object]]:
+    events = []
+    for block in filter(str.strip, text.split("\n\n")):
+        name, data = None, None
+        for line in block.splitlines():
+            if line.startswith("event:"):
+                name = line[6:].strip()
+            elif line.startswith("data:"):
+                data = line[5:].strip()
+        events.append((name, data if data == "[DONE]" else normalize(json.loads(data))))
+    return events
+
+
+def _text_delta(data) -> tuple[tuple, str, object] | None:
+    """(stream position, text, finish reason) when an event carries generated text."""
+    if not isinstance(data, dict):
+        return None
+    if data.get("type") == "response.output_text.delta":
+        return ("response", data["output_index"], data["content_index"]), data["delta"], None
+    if data.get("type") == "content_block_delta" and "text" in data["delta"]:
+        return ("message", data["index"]), data["delta"]["text"], None
+    if data.get("object") in ("chat.completion.chunk", "text_completion") and data["choices"]:
+        (choice,) = data["choices"]
+        text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
+        if text or choice.get("finish_reason"):
+            return (data["object"], choice["index"]), text or "", choice.get("finish_reason")
+    return None
+
+
+def canonical_stream(events) -> tuple[list, dict]:
+    """A stream with its generated text joined per position.
+
+    vLLM merges the tokens of two engine steps into one event when its consumer is a step
+    behind, so how text is split into events depends on timing, not on the answer.
+    """
+    others, texts = [], {}
+    for name, data in events:
+        delta = _text_delta(data)
+        if delta is None:
+            others.append((name, data))
+            continue
+        position, text, finish = delta
+        joined, finishes = texts.get(position, ("", []))
+        texts[position] = (joined + text, finishes + ([finish] if finish else []))
+    return others, texts
