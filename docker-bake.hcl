@@ -1,5 +1,6 @@
 # docker buildx bake                                  the worker image, no model baked in
 # MODEL_NAME=org/name docker buildx bake worker-baked  the worker with org/name baked in
+# docker buildx bake worker-next                      the worker on NEXT_VLLM_VERSION (contract-checked)
 # Every variable can be set the same way (from the environment) or with --set. The Hugging Face
 # token for gated or private models is read from the HF_TOKEN environment variable as a BuildKit
 # secret: it never becomes a build arg or part of a layer.
@@ -19,6 +20,12 @@ variable "RELEASE_VERSION" {
 # The vLLM release of the base image: the one the CPU test suite runs.
 variable "VLLM_VERSION" {
   default = "0.32.0"
+}
+
+# The newest vLLM release: no CPU build of it exists, so the test suite cannot run it; only
+# scripts/contract.sh checks the worker against it (its default version). Built by `worker-next`.
+variable "NEXT_VLLM_VERSION" {
+  default = "0.33.0"
 }
 
 variable "VLLM_NIGHTLY" {
@@ -76,5 +83,14 @@ target "worker-baked" {
     TOKENIZER_NAME     = TOKENIZER_NAME
     TOKENIZER_REVISION = TOKENIZER_REVISION
     QUANTIZATION       = QUANTIZATION
+  }
+}
+
+# The worker on the newest vLLM release (contract-checked, not fully tested); tagged with it.
+target "worker-next" {
+  inherits = ["worker"]
+  tags     = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-vllm${NEXT_VLLM_VERSION}"]
+  args = {
+    VLLM_VERSION = NEXT_VLLM_VERSION
   }
 }

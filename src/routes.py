@@ -48,7 +48,8 @@ DENIED: Mapping[str, str] = {
     "/v1/realtime": _WEBSOCKET,
     # Adapters load only from LORA_MODULES; aborting by id would stop other users' requests.
     **dict.fromkeys([
-        "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/inference/v1/abort_requests",
+        "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/adapters", "/adapters/{adapter_name}",
+        "/inference/v1/abort_requests",
         "/abort_requests", "/scale_elastic_ep", "/sleep", "/wake_up", "/pause", "/resume",
         "/reset_prefix_cache", "/reset_mm_cache", "/reset_encoder_cache", "/collective_rpc",
         "/start_profile", "/stop_profile", "/release_kv_cache_memory", "/update_weights",

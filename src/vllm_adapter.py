@@ -18,7 +18,11 @@ from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import VllmConfig
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
-from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
+
+try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
+    from vllm.entrypoints.common.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
+except ModuleNotFoundError:  # vLLM 0.32
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput

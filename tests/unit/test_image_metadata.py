@@ -165,6 +165,8 @@ def test_bake_file_builds_the_worker_by_default_and_a_baked_model_on_demand():
         target = bake_target(name)
         assert (target["context"], target["dockerfile"]) == (".", "Dockerfile"), name
         for arg, value in target["args"].items():  # each build arg comes from its variable
+            if (name, arg) == ("worker-next", "VLLM_VERSION"):
+                continue  # the one exception (test_one_vllm_version_everywhere)
             assert value == arg and variables[arg] == dockerfile_args()[arg], (name, arg)
     assert "MODEL_NAME" not in bake_target("worker")["args"]
     baked = bake_target("worker-baked")
@@ -185,6 +187,15 @@ def test_one_vllm_version_everywhere():
     bake_version = bake_blocks("variable")["VLLM_VERSION"]["default"]
     assert dockerfile_args()["VLLM_VERSION"] == bake_version == version
     assert list(WORKER_CONFIG["versions"]) == [version]
+    # Besides: `worker-next` builds the newest release, which scripts/contract.sh checks by default.
+    overriding = [name for name in bake_blocks("target")
+                  if bake_target(name)["args"].get("VLLM_VERSION", "VLLM_VERSION") != "VLLM_VERSION"]
+    assert overriding == ["worker-next"]
+    assert bake_target("worker-next")["args"]["VLLM_VERSION"] == "NEXT_VLLM_VERSION"
+    next_version = bake_blocks("variable")["NEXT_VLLM_VERSION"]["default"]
+    contract = re.search(r"^VERSION=(\S+)$", (REPO / "scripts" / "contract.sh").read_text(), re.MULTILINE)
+    assert contract and contract[1] == next_version
+    assert tuple(map(int, next_version.split("."))) > tuple(map(int, version.split(".")))
 
 
 def test_runtime_requirements_are_the_tested_versions():

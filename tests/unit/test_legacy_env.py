@@ -128,8 +128,8 @@ def test_bad_rope_values_are_configuration_errors(env, fragment):
      {"model": "org/draft", "prompt_lookup_max": 4}),  # vLLM infers the method from the model
     ({"SPECULATIVE_METHOD": "suffix", "NUM_SPECULATIVE_TOKENS": "5"},
      {"method": "suffix", "num_speculative_tokens": 5}),
-    ({"SPECULATIVE_MODEL": "org/draft", "SPECULATIVE_DISABLE_BY_BATCH_SIZE": "0"},
-     {"model": "org/draft", "disable_by_batch_size": 0}),  # 0 is kept where worker-vllm kept it
+    ({"SPECULATIVE_MODEL": "org/draft", "SPECULATIVE_DRAFT_TENSOR_PARALLEL_SIZE": "0"},
+     {"model": "org/draft", "draft_tensor_parallel_size": 0}),  # 0 is kept where worker-vllm kept it
 ])
 def test_speculative_variables_keep_worker_vllms_meaning(env, config):
     args = resolve(**env)

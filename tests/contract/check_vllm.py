@@ -1,0 +1,298 @@
+"""The worker's contract with a vLLM release that the full suite cannot run (no CPU build of it).
+
+Run by ``scripts/contract.sh [VERSION]`` with that release's Python code first on the path, in one
+pytest run with the configuration unit tests (test_engine_args.py, test_legacy_env.py,
+test_job_input.py: ``resolve_args`` over their configuration matrix, sampling parameters). Not part
+of the normal suite (the file name is not ``test_*.py``); it also passes on the tested release.
+
+What it checks, with the real adapter and worker modules and no engine core:
+
+1. the adapter imports, on the release asked for; the engine calls the worker makes still bind;
+2. every engine and front-end flag is read from its UPPER_SNAKE env name, and a typed sample value
+   of each (booleans both ways, a choice, a number, a list, JSON) parses to the value meant;
+3. the names the worker's own tables give vLLM (defaults, aliases, legacy names) still exist;
+4. vLLM's app, built as the worker builds it (``build_openai_app``, a stub in place of the engine)
+   for a generative and a pooling model, then with every task and route switch on, has no route
+   that ``routes.unclassified_routes`` reports: each is either served to jobs or denied;
+5. the legacy ROPE_* variables still reach the model's configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import os
+import re
+import warnings
+from typing import Any
+
+import pytest
+from conftest import engine_env
+
+import vllm_adapter as adapter
+from engine_args import (
+    BAKED_SOURCE_KEYS,
+    ENV_ALIASES,
+    FRONTEND_DESTS,
+    PARALLEL_DESTS,
+    RESERVED_ENV,
+    WORKER_DEFAULTS,
+    ZERO_MEANS_UNSET,
+    _parser,
+    known_env_names,
+)
+from legacy_env import RENAMED_ENV, SPECULATIVE_ENV
+from routes import RouteTable, unclassified_routes
+from settings import load_config
+
+pytestmark = pytest.mark.usefixtures("hub_lookups_off")
+
+UNCHANGED = object()  # the flag leaves the value alone ("false" for a store_true flag)
+ANY = object()  # any value the flag sets (JSON and other structured flags)
+
+# Samples the annotation does not describe: {dest: env text}.
+HAND_SAMPLES = {"lora_modules": '[{"name": "a", "path": "/a"}]'}
+
+# What adds routes to vLLM's app beyond the model's tasks (as of 0.33): environment switches, which
+# reach vLLM from the endpoint's env, and boolean flags (those the worker reads from env count).
+ROUTE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+             "VLLM_ENABLE_COHERE_API": "1"}
+ROUTE_FLAGS = {"enable_fault_tolerance", "enable_scale_out", "enable_tokenizer_info_endpoint",
+               "enable_offline_docs"}
+
+# The models, as the engine tests configure them, and the tasks their real engines report (0.32).
+MODELS = {
+    "generate": ("tiny-llama", {}, ("generate",)),
+    "pooling": ("all-minilm-l6-v2", {"RUNNER": "pooling", "DTYPE": "float32", "MAX_MODEL_LEN": "0"},
+                ("embed", "token_embed")),
+}
+
+
+# --- 1. the adapter -------------------------------------------------------------------------------
+
+def test_the_adapter_imports_on_the_release_asked_for():
+    import vllm
+
+    wanted = os.environ.get("VLLM_CONTRACT_VERSION")
+    print(f"vLLM {vllm.__version__} from {os.path.dirname(vllm.__file__)}")
+    assert wanted is None or vllm.__version__.split("+")[0] == wanted, (
+        f"asked for vLLM {wanted}, imported {vllm.__version__} from {vllm.__file__}")
+    missing = [name for name in adapter.__all__ if not hasattr(adapter, name)]
+    assert not missing
+
+
+def test_the_engine_calls_the_worker_makes_still_bind():
+    """The engine cannot run here: at least its methods take the arguments the worker passes."""
+    from vllm.outputs import CompletionOutput
+
+    llm = adapter.AsyncLLM
+    inspect.signature(llm.from_vllm_config).bind(
+        object(), usage_context=None, enable_log_requests=False, disable_log_stats=True)
+    inspect.signature(llm.generate).bind(object(), "prompt", "params", "request-id")
+    inspect.signature(llm.encode).bind(object(), "prompt", "params", "request-id")
+    for name in ("get_tokenizer", "get_supported_tasks", "shutdown"):
+        inspect.signature(getattr(llm, name)).bind(object())
+    fields = {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert {"index", "text", "token_ids", "logprobs"} <= fields
+    assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
+
+
+# --- 2. env → flag, for every flag ----------------------------------------------------------------
+
+def _bare(annotation: str) -> str:
+    """``int | None`` → ``int``, ``Optional[X]`` → ``X``."""
+    text = re.sub(r"^Optional\[(.*)\]$", r"\1", annotation.strip())
+    return re.sub(r"\s*\|\s*None\b|\bNone\s*\|\s*", "", text)
+
+
+def samples(dest: str) -> tuple[list[tuple[str, Any]], bool]:
+    """(env text, value it must parse to) pairs for the flag, and whether they were derived from
+    its type (else: guesses, any of which may parse)."""
+    p = _parser()
+    action = p.actions[dest]
+    many = action.nargs in ("+", "*")
+    if dest in HAND_SAMPLES:
+        return [(HAND_SAMPLES[dest], ANY)], True
+    if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [("true", True), ("false", False)], True
+        return [("true", action.const), ("false", UNCHANGED)], True
+    if action.choices:
+        choice = next(c for c in action.choices if c not in (None, "None"))
+        return [(str(choice), [choice] if many else choice)], True
+    kind = _bare(p.annotations.get(dest, ""))
+    if "dict" in kind or re.search(r"Config(Args)?\b", kind):
+        return [("{}", ANY)], True
+    if many:
+        element = re.fullmatch(r"(?:list|set)\[(\w+)\]", kind)
+        item = element[1] if element else "str" if kind == "str | list[str]" else None
+        if item == "int":
+            return [("1,2", [1, 2])], True
+        if item == "str":
+            return [("a,b", ["a", "b"])], True
+    elif kind in ("int", "float", "str") or kind.startswith(("str |", "Union[str,")):
+        return [{"int": ("1", 1), "float": ("0.5", 0.5)}.get(kind, ("x", "x"))], True
+    elif literal := re.match(r"(?:Union\[)?Literal\['([^']+)'", kind):
+        return [(literal[1], literal[1])], True
+    return [("x", ANY), ("1", ANY), ("{}", ANY)], False
+
+
+def parsed(dest: str, text: str) -> Any:
+    """The flag's value after the worker turns ``text`` into tokens for vLLM's parser."""
+    p = _parser()
+    namespace = p.parser.parse_args([])
+    setattr(namespace, dest, UNCHANGED)
+    p.parser.parse_args(list(p.tokens_from_text(dest, text)), namespace=namespace)
+    return getattr(namespace, dest)
+
+
+def test_every_flag_is_read_from_its_env_name():
+    p = _parser()
+    assert p.env_dests, "no engine flags found"
+    assert FRONTEND_DESTS <= set(p.actions), "front-end flags gone from vLLM's parser"
+    assert adapter.engine_arg_dests() <= set(p.actions), "engine flags missing from `vllm serve`"
+    wrong = {dest: p.dest_for_env(dest.upper()) for dest in p.env_dests
+             if p.dest_for_env(dest.upper()) != (None if dest.upper() in RESERVED_ENV else dest)}
+    assert not wrong
+    assert {dest.upper() for dest in p.env_dests} <= known_env_names()
+
+
+def _problem(dest: str, text: str, want: Any) -> str | None:
+    """Why ``text`` does not set the flag to ``want``; None when it does."""
+    try:
+        got = parsed(dest, text)
+    except (argparse.ArgumentError, ValueError, TypeError) as exc:
+        return f"{dest.upper()}={text!r}: {exc}"
+    if got is want or (got is not UNCHANGED if want is ANY else got == want):
+        return None
+    shown = {id(UNCHANGED): "no change", id(ANY): "a value"}
+    return (f"{dest.upper()}={text!r} parsed to {shown.get(id(got), repr(got))}, expected "
+            f"{shown.get(id(want), repr(want))}")
+
+
+def test_every_flag_takes_a_typed_env_value():
+    """The worker's text → tokens conversion still fits vLLM's parser, flag by flag."""
+    p = _parser()
+    failures, guessed, unsampled = [], [], []
+    for dest in sorted(d for d in p.env_dests if d.upper() not in RESERVED_ENV):
+        p.expected(dest)  # the error-message wording must work for every flag
+        pairs, typed = samples(dest)
+        problems = [_problem(dest, text, want) for text, want in pairs]
+        if typed:
+            failures += filter(None, problems)
+        elif None in problems:
+            guessed.append(f"{dest.upper()}={pairs[problems.index(None)][0]!r}")
+        else:
+            unsampled.append(f"{dest.upper()} ({p.annotations.get(dest)}): {problems[-1]}")
+    if guessed or unsampled:
+        warnings.warn(UserWarning(
+            f"flags of a type the check does not know, sampled by a guess: {', '.join(guessed)}; "
+            f"not sampled: {'; '.join(unsampled) or 'none'}"))
+    assert not failures, "\n".join(failures)
+
+
+# --- 3. names the worker's tables give vLLM ---------------------------------------------------------
+
+def test_the_worker_tables_name_flags_vllm_has():
+    p = _parser()
+    named = {*WORKER_DEFAULTS, *ZERO_MEANS_UNSET, *PARALLEL_DESTS, *ENV_ALIASES.values(),
+             *BAKED_SOURCE_KEYS, "served_model_name", "enable_lora", "hf_overrides",
+             "speculative_config", "limit_mm_per_prompt"}
+    assert named <= set(p.actions), named - set(p.actions)
+    assert all(p.dest_for_env(new) for new, _ in RENAMED_ENV.values())
+
+
+def test_the_speculative_variables_name_speculative_config_fields():
+    from vllm.config import SpeculativeConfig
+
+    fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = {name for name, (key, _) in SPECULATIVE_ENV.items() if key not in fields}
+    assert not unknown, f"{sorted(unknown)} set fields vLLM's SpeculativeConfig does not have"
+
+
+# --- 4. vLLM's app and the worker's route table ---------------------------------------------------
+
+class StubEngine:
+    """What ``build_openai_app`` uses of AsyncLLM, without an engine core."""
+
+    def __init__(self, vllm_config, tasks: tuple[str, ...]) -> None:
+        from vllm.renderers import renderer_from_config
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        self.vllm_config, self.model_config, self._tasks = vllm_config, vllm_config.model_config, tasks
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return self._tasks
+
+    def __getattr__(self, name: str):
+        raise AttributeError(f"StubEngine lacks {name!r}: vLLM's app now uses it; add it here")
+
+
+@pytest.fixture(scope="module")
+def configs(models) -> dict[str, tuple[Any, Any]]:
+    """runner → (worker config, vLLM's config), resolved as the worker resolves them."""
+    out = {}
+    for runner, (name, env, _) in MODELS.items():
+        config = load_config(engine_env(models[name], **env))
+        out[runner] = (config, config.args.engine_config())
+    return out
+
+
+@pytest.fixture(scope="module")
+def apps(configs) -> dict[str, Any]:
+    """runner → vLLM's app as the worker builds it. Built before any wide app: once
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING is on, SageMaker's /adapters routes join every later app."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_API_KEY", "contract-check")  # the adapter must drop vLLM's auth
+        for name in ROUTE_ENV:
+            env.delenv(name, raising=False)
+        return {runner: asyncio.run(adapter.build_openai_app(
+                    StubEngine(vllm_config, MODELS[runner][2]), config.args.namespace))
+                for runner, (config, vllm_config) in configs.items()}
+
+
+def _paths(app) -> set[str]:
+    return {path for route in app.routes if (path := getattr(route, "path", None))}
+
+
+@pytest.mark.parametrize("runner", list(MODELS))
+def test_the_app_builds_as_the_worker_builds_it(apps, runner):
+    app = apps[runner]
+    assert not [m for m in app.user_middleware if m.cls is adapter.AuthenticationMiddleware]
+    wanted = {"generate": {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"},
+              "pooling": {"/v1/embeddings"}}[runner] | {"/v1/models", "/tokenize", "/detokenize"}
+    assert wanted <= _paths(app), wanted - _paths(app)
+    unclassified = unclassified_routes(app)
+    assert not unclassified, f"routes neither served nor denied in src/routes.py: {unclassified}"
+    assert wanted <= set(RouteTable.from_app(app).names())
+
+
+@pytest.mark.parametrize("runner", list(MODELS))
+def test_every_route_of_every_task_and_switch_is_classified(apps, configs, runner, monkeypatch):
+    """The routes other models (speech, classifiers, ...) and the opt-in switches add."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.tasks import GENERATION_TASKS, POOLING_TASKS
+
+    config, vllm_config = configs[runner]
+    for name, value in ROUTE_ENV.items():
+        monkeypatch.setenv(name, value)
+    namespace = argparse.Namespace(**vars(config.args.namespace))
+    for dest in ROUTE_FLAGS & _parser().env_dests:  # only those a worker's env can turn on
+        setattr(namespace, dest, True)
+    tasks = (*GENERATION_TASKS, "render") if runner == "generate" else POOLING_TASKS
+    # Each task alone too: a task can change which routes another one adds (score routes).
+    built = [build_app(namespace, each, vllm_config.model_config) for each in (tasks, *zip(tasks))]
+    assert set().union(*map(_paths, built)) > _paths(apps[runner])
+    unclassified = sorted({path for app in built for path in unclassified_routes(app)})
+    assert not unclassified, f"routes neither served nor denied in src/routes.py: {unclassified}"
+
+
+def test_legacy_rope_variables_reach_the_model_config(models):
+    env = engine_env(models["tiny-llama"], ROPE_THETA="20000",
+                     ROPE_SCALING='{"rope_type": "linear", "factor": 2.0}')
+    hf_config = load_config(env).args.engine_args.create_model_config().hf_config
+    assert hf_config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}
