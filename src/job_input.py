@@ -2,7 +2,8 @@
 
 Raw jobs carry ``prompt`` or ``messages`` plus ``sampling_params`` and stream batching knobs;
 OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body), or, as worker-vllm
-2.24 and later, ``route``, ``body`` and ``method``. Unknown keys are ignored, as worker-vllm did. Plain data: no vLLM here.
+2.24 and later, ``route``, ``body`` and ``method``. Unknown keys are ignored, as worker-vllm did.
+Plain data: no vLLM here.
 """
 
 from __future__ import annotations
