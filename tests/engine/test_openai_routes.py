@@ -311,7 +311,7 @@ def test_embeddings_on_a_generative_model_is_a_clear_error(tiny_openai, run_open
 
 def test_generation_on_a_pooling_model_is_a_clear_error(minilm_openai, run_openai):
     (item,) = run_openai(minilm_openai, "/v1/chat/completions", {"messages": CAPITAL})
-    assert item["error"]["code"] == 400 and "/v1/embeddings" in item["error"]["message"]
+    assert item["error"]["code"] == 404 and "/v1/embeddings" in item["error"]["message"]
 
 
 # --- errors, then the worker keeps serving --------------------------------------------------
