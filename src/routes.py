@@ -135,8 +135,14 @@ class RouteTable:
 
     @classmethod
     def from_app(cls, app: Any) -> RouteTable:
-        return cls(Route(route.path, frozenset(route.methods), _takes_form(route))
-                   for route in _app_routes(app) if route.path not in DENIED)
+        routes: dict[str, Route] = {}
+        for route in _app_routes(app):
+            if route.path in DENIED:
+                continue
+            seen = routes.get(route.path, Route(route.path, frozenset()))  # one path, several methods
+            routes[route.path] = Route(route.path, seen.methods | route.methods,
+                                       seen.form or _takes_form(route))
+        return cls(routes.values())
 
     def find(self, path: str) -> Route | None:
         path = self.aliases.get(path, path)

@@ -7,6 +7,7 @@ import email.parser
 import email.policy
 
 import pytest
+from fastapi import FastAPI
 
 from errors import RequestError
 from forms import form_body
@@ -50,6 +51,17 @@ def test_facts_of_a_route():
     assert TABLE.find("/v1/models").method_for(None) == "GET"
     assert TABLE.find("/v1/audio/transcriptions").form
     assert "/v1/tokenize" in TABLE.names() and "/tokenize" in TABLE.names()
+
+
+def test_a_path_registered_for_several_methods_keeps_them_all():
+    app = FastAPI()
+    app.get("/v1/things")(lambda: None)
+    app.post("/v1/things")(lambda: None)
+    app.get("/health")(lambda: None)
+    table = RouteTable.from_app(app)
+    assert table.find("/v1/things").methods == {"GET", "POST"} and table.find("/health") is None
+    assert table.find("/v1/things").method_for({"x": 1}) == "POST"
+    assert table.find("/v1/things").method_for(None) == "GET"
 
 
 def parse_form(body: bytes, content_type: str) -> dict[str, list]:
