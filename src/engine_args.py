@@ -408,7 +408,7 @@ def _default_to_all_gpus(merged: dict[str, Setting]) -> None:
         return
     merged["tensor_parallel_size"] = Setting(
         "tensor_parallel_size", ("--tensor-parallel-size", str(count)), f"{count} visible GPUs", count)
-    log.info("%d GPUs visible and no TENSOR_PARALLEL_SIZE or PIPELINE_PARALLEL_SIZE set: "
+    log.info("%d GPUs visible and no tensor, pipeline or data parallel size set: "
              "tensor_parallel_size=%d uses them all", count, count)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import os
 import socket
 import subprocess
@@ -175,6 +176,23 @@ cross_encoder_openai = _openai_fixture("cross_encoder_engine", "module")
 classifier_openai = _openai_fixture("classifier_engine", "module")
 whisper_openai = _openai_fixture("whisper_engine", "module")
 vlm_openai = _openai_fixture("vlm_engine", "module")
+
+
+@pytest.fixture(scope="session")
+def tiny_scale_out_openai(tiny_engine):
+    """The tiny engine's app with vLLM's scale-out (render, token-in) routes on: ENABLE_SCALE_OUT."""
+    import copy
+
+    from openai_engine import OpenAIvLLMEngine
+
+    namespace = copy.copy(tiny_engine.config.args.namespace)
+    namespace.enable_scale_out = True
+    return OpenAIvLLMEngine(tiny_engine, namespace)
+
+
+def cosine(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
+        sum(x * x for x in a) * sum(y * y for y in b))
 
 
 def free_port() -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import math
 
 import pytest
+from conftest import cosine
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
@@ -289,11 +289,6 @@ def offline_embeddings(models):
     vectors = [o.outputs.embedding for o in llm.embed(texts)]
     llm.llm_engine.engine_core.shutdown()
     return texts, vectors
-
-
-def cosine(a, b):
-    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
-        sum(x * x for x in a) * sum(y * y for y in b))
 
 
 def test_embeddings_match_vllm_offline(minilm_openai, run_openai, offline_embeddings):

@@ -3,12 +3,8 @@ aside) what vLLM's own HTTP server answers, on the same model with the same flag
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 from vllm_server import canonical_stream, normalize, parse_sse, vllm_servers
-
-from openai_engine import OpenAIvLLMEngine
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +64,8 @@ PARAMS = [pytest.param(case, stream, id=f"{case_id(case)}-{'stream' if stream el
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_engine, tiny_openai, minilm_openai):
-    namespace = copy.copy(tiny_engine.config.args.namespace)
-    namespace.enable_scale_out = True
-    return {TINY: tiny_openai, SCALE_OUT: OpenAIvLLMEngine(tiny_engine, namespace), MINILM: minilm_openai}
+def workers(tiny_openai, tiny_scale_out_openai, minilm_openai):
+    return {TINY: tiny_openai, SCALE_OUT: tiny_scale_out_openai, MINILM: minilm_openai}
 
 
 @pytest.mark.parametrize(("case", "stream"), PARAMS)

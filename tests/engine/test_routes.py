@@ -5,13 +5,10 @@ token-counting and rendering routes answer on the real engine."""
 
 from __future__ import annotations
 
-import copy
-import math
-
 import pytest
+from conftest import cosine
 from fastapi.routing import APIRoute
 
-from openai_engine import OpenAIvLLMEngine
 from routes import DENIED, REVIEWED, unclassified_routes
 
 QUERY = "What is the capital of France?"
@@ -22,22 +19,9 @@ def model_of(served) -> str:
     return served.served_model_name
 
 
-def cosine(a, b) -> float:
-    return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
-        sum(x * x for x in a) * sum(y * y for y in b))
-
-
-@pytest.fixture(scope="module")
-def scale_out_openai(tiny_engine):
-    """The tiny engine's app with vLLM's scale-out (render, token-in) routes on: ENABLE_SCALE_OUT."""
-    namespace = copy.copy(tiny_engine.config.args.namespace)
-    namespace.enable_scale_out = True
-    return OpenAIvLLMEngine(tiny_engine, namespace)
-
-
 # --- the route table ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("served", ["tiny_openai", "minilm_openai", "scale_out_openai"])
+@pytest.mark.parametrize("served", ["tiny_openai", "minilm_openai", "tiny_scale_out_openai"])
 def test_every_route_of_the_app_is_reviewed_and_served_unless_denied(request, served):
     served = request.getfixturevalue(served)
     assert unclassified_routes(served.app) == []
@@ -130,13 +114,13 @@ def test_pooling_and_cohere_embed_give_the_embedding(minilm_openai, run_openai):
     assert cosine(cohere["embeddings"]["float"][0], expected) > 0.9999
 
 
-def test_render_routes_give_the_tokens_generation_would_use(scale_out_openai, run_openai):
-    model = model_of(scale_out_openai)
+def test_render_routes_give_the_tokens_generation_would_use(tiny_scale_out_openai, run_openai):
+    model = model_of(tiny_scale_out_openai)
     messages = [{"role": "user", "content": QUERY}]
-    (rendered,) = run_openai(scale_out_openai, "/v1/chat/completions/render",
+    (rendered,) = run_openai(tiny_scale_out_openai, "/v1/chat/completions/render",
                              {"model": model, "messages": messages})
-    (tokenized,) = run_openai(scale_out_openai, "/tokenize", {"model": model, "messages": messages})
-    (chat,) = run_openai(scale_out_openai, "/v1/chat/completions",
+    (tokenized,) = run_openai(tiny_scale_out_openai, "/tokenize", {"model": model, "messages": messages})
+    (chat,) = run_openai(tiny_scale_out_openai, "/v1/chat/completions",
                          {"model": model, "messages": messages, "max_tokens": 1})
     assert rendered_ids(rendered) == tokenized["tokens"]
     assert len(tokenized["tokens"]) == chat["usage"]["prompt_tokens"]
@@ -148,13 +132,13 @@ def rendered_ids(rendered) -> list[int]:
     return request["token_ids"]
 
 
-def test_tokens_in_generation_continues_the_given_tokens(scale_out_openai, run_openai):
-    model = model_of(scale_out_openai)
-    (tokenized,) = run_openai(scale_out_openai, "/tokenize", {"model": model, "prompt": "Once upon"})
+def test_tokens_in_generation_continues_the_given_tokens(tiny_scale_out_openai, run_openai):
+    model = model_of(tiny_scale_out_openai)
+    (tokenized,) = run_openai(tiny_scale_out_openai, "/tokenize", {"model": model, "prompt": "Once upon"})
     body = {"model": model, "token_ids": tokenized["tokens"],
             "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}}
-    (generated,) = run_openai(scale_out_openai, "/inference/v1/generate", body)
-    (completion,) = run_openai(scale_out_openai, "/v1/completions",
+    (generated,) = run_openai(tiny_scale_out_openai, "/inference/v1/generate", body)
+    (completion,) = run_openai(tiny_scale_out_openai, "/v1/completions",
                                {"model": model, "prompt": tokenized["tokens"], "max_tokens": 5,
                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert generated["choices"][0]["token_ids"] == completion["choices"][0]["token_ids"]
