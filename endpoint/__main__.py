@@ -1,4 +1,4 @@
-"""A local RunPod serverless endpoint: ``python -m endpoint [--workers N] [--port 8000]``.
+"""A local RunPod serverless endpoint: ``python -m endpoint [--workers N] [--port 8000] [--handler PATH]``.
 
 Starts the endpoint server on 127.0.0.1 and N worker processes (``python src/handler.py``, the
 real ``runpod.serverless.start`` loop, pointed at the server with RunPod's ``RUNPOD_WEBHOOK_*``
@@ -129,7 +129,7 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"
-    supervisor = Supervisor(args.workers, base, args.api_key, store)
+    supervisor = Supervisor(args.workers, base, args.api_key, store, (sys.executable, str(args.handler)))
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -157,6 +157,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1, help="worker processes on one queue")
     parser.add_argument("--endpoint-id", default="local")
+    parser.add_argument("--handler", default=HANDLER, type=lambda path: Path(path).resolve(),
+                        help="the worker script each worker process runs (default: the vLLM worker)")
     parser.add_argument("--api-key", default=os.environ.get("ENDPOINT_API_KEY"),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     asyncio.run(serve(parser.parse_args()))

@@ -184,6 +184,7 @@ def main() -> None:
     load_dotenv()  # ./.env for local development; never overrides the real environment
     import runpod  # here, not at the top: vLLM's spawned processes re-import this file
 
+    import job_loop
     from engine import vLLMEngine
     from openai_engine import OpenAIvLLMEngine
     from settings import load_config
@@ -208,6 +209,7 @@ def main() -> None:
         sys.exit(1)
     log.info("Worker ready: taking up to %d concurrent jobs; start-up %s", config.settings.max_concurrency,
              " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()))
+    job_loop.install(config.settings.job_loop == "worker")
     try:
         runpod.serverless.start({
             "handler": handler,

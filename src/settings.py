@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
@@ -52,6 +53,8 @@ class WorkerSettings(BaseModel):
     # After SIGTERM, jobs in flight may run this long before they are aborted and reported.
     shutdown_grace_period: float = Field(25.0, ge=0, allow_inf_nan=False,
                                          validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
+    # "worker": job_loop.JobLoop, which starts a taken job at once; "sdk": the runpod SDK's own.
+    job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
 
     @classmethod
     def env_names(cls) -> frozenset[str]:

@@ -1,0 +1,143 @@
+"""The runpod SDK's job loop, specialised so that a job starts when it is taken and a freed slot is
+refilled when it frees.
+
+``runpod.serverless.start`` stays the entry point: it builds ``rp_scale.JobScaler``, which
+``install()`` points at ``JobLoop``. The SDK's own loop (runpod 1.10.0, unchanged in 1.12.0) polls:
+
+- ``run_jobs`` looks at its queue every 0.1 s, so a taken job waits 0-100 ms before it starts;
+- ``get_jobs`` sleeps 1 s whenever every slot is busy, so a freed slot stays empty up to 1 s;
+- ``set_scale`` waits for the worker to drain before it applies a new concurrency.
+
+``JobLoop`` overrides those three methods and ``handle_job``, waking on events instead: a taken job
+starts at once (before the next job-take request), a finished job wakes the fetcher, and a new
+concurrency applies to the next fetch.
+The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
+
+The overridden methods were read against one SDK version (``SDK_VERSION``): with another, the
+SDK's loop runs unchanged and a warning says so, and ``tests/unit/test_job_loop.py`` fails until
+the methods are reviewed again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from importlib.metadata import version
+from typing import Any
+
+from runpod.http_client import TooManyRequests
+from runpod.serverless.modules import rp_scale
+
+log = logging.getLogger(__name__)
+
+SDK_VERSION = "1.10.0"
+# A full worker re-reads the concurrency modifier this often while it waits for a slot.
+RESCALE_SECONDS = 1.0
+RATE_LIMITED_SECONDS = 5.0  # RunPod answered 429: back off as the SDK does
+FETCH_ERROR_SECONDS = 1.0  # any other failed fetch: retry, without spinning
+
+
+class JobLoop(rp_scale.JobScaler):
+    """``JobScaler`` that wakes on events instead of polling."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__(config)
+        # Unbounded: get_jobs never takes more jobs than there are free slots, so the SDK's
+        # rebuild of a bounded queue (which waits for the worker to drain) is not needed.
+        self.jobs_queue = asyncio.Queue()
+        self._tasks: set[asyncio.Task] = set()
+        self._fetch_ended = asyncio.Event()
+        self._slot_freed = asyncio.Event()
+        self._fetching = False  # a job-take request is out: at shutdown, its jobs still run
+
+    async def set_scale(self) -> None:
+        try:
+            self.current_concurrency = self.concurrency_modifier(self.current_concurrency)
+        except Exception:  # noqa: BLE001 - in the SDK's loop this would end the worker and its jobs
+            log.exception("The concurrency modifier failed; keeping %d", self.current_concurrency)
+
+    def kill_worker(self) -> None:
+        super().kill_worker()
+        self._fetch_ended.set()  # wake run_jobs and get_jobs, so they notice
+        self._slot_freed.set()
+
+    async def get_jobs(self, session: Any) -> None:
+        """Take as many jobs as there are free slots and start them; when no slot is free, wait
+        until one frees (or, to re-read the concurrency modifier, RESCALE_SECONDS)."""
+        while self.is_alive():
+            await self.set_scale()
+            wanted = self.current_concurrency - self.current_occupancy()
+            if wanted <= 0:
+                self._slot_freed.clear()
+                await _wait(self._slot_freed, RESCALE_SECONDS)
+                continue
+            pause = 0.0
+            self._fetching = True
+            try:
+                jobs = await asyncio.wait_for(self.jobs_fetcher(session, wanted), self.jobs_fetcher_timeout)
+            except TooManyRequests:
+                pause = RATE_LIMITED_SECONDS
+            except TimeoutError:
+                pass  # a long poll that ended empty
+            except Exception as exc:  # noqa: BLE001 - the platform may fail; the worker keeps asking
+                log.error("Taking jobs failed (%s: %s); retrying in %g s", type(exc).__name__, exc,
+                          FETCH_ERROR_SECONDS)
+                pause = FETCH_ERROR_SECONDS
+            else:
+                for job in jobs or ():
+                    self._start(session, job)
+            finally:
+                self._fetching = False
+                self._fetch_ended.set()
+            # With no pause, this still yields once: the jobs just started run up to their first
+            # wait (their request is in vLLM) before the next job-take request is built.
+            await asyncio.sleep(pause)
+
+    def _start(self, session: Any, job: dict[str, Any]) -> None:
+        self.job_progress.add(job)  # the heartbeat process reports in-progress jobs from there
+        # Through the queue only because the SDK's handle_job marks a queue item done.
+        self.jobs_queue.put_nowait(job)
+        self.jobs_queue.get_nowait()
+        task = asyncio.create_task(self.handle_job(session, job))
+        self.jobs_tasks[job["id"]] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run_jobs(self, session: Any) -> None:
+        """Jobs start where they are taken (get_jobs); at shutdown this waits for the last job-take
+        request to end, then for every job in flight."""
+        while self.is_alive() or self._fetching:
+            self._fetch_ended.clear()
+            await self._fetch_ended.wait()
+        results = await asyncio.gather(*self._tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, Exception):  # a stopped job is a CancelledError, not an Exception
+                log.error("A job failed while the worker shut down: %s", result)
+
+    async def handle_job(self, session: Any, job: dict[str, Any]) -> None:
+        try:
+            await super().handle_job(session, job)
+        finally:  # the SDK's handle_job has removed the job from the in-progress set
+            self._slot_freed.set()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        pass
+
+
+def install(enabled: bool = True) -> bool:
+    """Make ``runpod.serverless.start`` run ``JobLoop``; True when it will."""
+    if not enabled:
+        log.info("Job loop: the runpod SDK's own (JOB_LOOP=sdk)")
+        return False
+    installed = version("runpod")
+    if installed != SDK_VERSION:
+        log.warning("Job loop: the runpod SDK's own, which polls (up to 0.1 s before a job starts, "
+                    "1 s before a freed slot is refilled): JobLoop was written for runpod %s, "
+                    "this is %s", SDK_VERSION, installed)
+        return False
+    rp_scale.JobScaler = JobLoop
+    return True
