@@ -27,6 +27,7 @@ from typing import Any
 
 from runpod.http_client import TooManyRequests
 from runpod.serverless.modules import rp_scale
+from runpod.serverless.modules.worker_state import Job
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class JobLoop(rp_scale.JobScaler):
                           FETCH_ERROR_SECONDS)
                 pause = FETCH_ERROR_SECONDS
             else:
+                self._track(jobs or [])
                 for job in jobs or ():
                     self._start(session, job)
             finally:
@@ -93,8 +95,16 @@ class JobLoop(rp_scale.JobScaler):
             # wait (their request is in vLLM) before the next job-take request is built.
             await asyncio.sleep(pause)
 
+    def _track(self, jobs: list[dict[str, Any]]) -> None:
+        """Add the jobs to the SDK's in-progress set, which the heartbeat process reads from a file,
+        writing that file once per batch: each ``JobsProgress.add`` rewrites it (0.4-2 ms here)."""
+        *others, last = [Job(id=job["id"]) for job in jobs] or [None]
+        for job in others:
+            set.add(self.job_progress, job)  # in memory; the last add writes them all
+        if last is not None:
+            self.job_progress.add(last)
+
     def _start(self, session: Any, job: dict[str, Any]) -> None:
-        self.job_progress.add(job)  # the heartbeat process reports in-progress jobs from there
         # Through the queue only because the SDK's handle_job marks a queue item done.
         self.jobs_queue.put_nowait(job)
         self.jobs_queue.get_nowait()

@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import inspect
 import logging
+import pickle
 from importlib.metadata import version
 
 import pytest
@@ -33,9 +34,11 @@ SDK_SOURCES = {
     "JobScaler.run_jobs": "74cd623de98ef8b4",
     "JobScaler.set_scale": "e137f173c456d41b",
     "rp_job.get_job": "8ce238208ca5261a",
+    "JobsProgress.add": "639a6f7009239cf3",
+    "JobsProgress._save_state": "19150356a474a85a",
     "worker.run_worker": "f7e8275a7c9c33df",
 }
-_OWNERS = {"worker": worker, "rp_job": rp_job}
+_OWNERS = {"worker": worker, "rp_job": rp_job, "JobsProgress": JobsProgress}
 
 
 def _digest(name: str) -> str:
@@ -236,3 +239,19 @@ def test_a_failing_concurrency_modifier_keeps_the_last_concurrency(caplog):
     with caplog.at_level(logging.ERROR):
         run_with_loop(2, scenario)
     assert "The concurrency modifier failed; keeping 2" in caplog.text
+
+
+def test_the_heartbeats_job_file_lists_a_fetched_batch_and_forgets_finished_jobs(tmp_path):
+    def listed() -> set[str]:
+        with open(tmp_path / "jobs.pkl", "rb") as file:  # what the heartbeat process reads
+            return {str(job) for job in pickle.load(file)}
+
+    async def scenario(platform: Platform, _scaler) -> None:
+        platform.submit("a", "b", "c")
+        await turns()
+        assert listed() == {"a", "b", "c"}
+        platform.running["b"].set()
+        await turns()
+        assert listed() == {"a", "c"}
+
+    run_with_loop(3, scenario)
