@@ -2,8 +2,9 @@
 
 Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no model), ``engine``
 (1: handler() ÷ AsyncLLM.generate), ``openai`` (2: worker ÷ vllm serve through the openai SDK,
-3: first request, 5: start-up). The full run writes ``bench/RESULTS.md`` and its chart; ``--quick``
-(tiny model, short streams, two repetitions) writes them to a temporary folder instead.
+3: first request, 5: start-up), ``latency`` (6-9: job start, before and after the worker's job loop,
+on ``Plan.latency_model`` and the stub worker). The full run writes ``bench/RESULTS.md`` and its
+chart; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary folder instead.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import common, handler_overhead, openai_path, report, stub_cost
+from bench import common, handler_overhead, job_start, openai_path, report, stub_cost
 
-PARTS = ("stub", "engine", "openai")
+PARTS = ("stub", "engine", "openai", "latency")
 
 
 def _parse() -> argparse.Namespace:
@@ -56,6 +57,11 @@ def main() -> None:
         if "openai" in parts:
             _progress(f"items 2, 3, 5, worker ÷ vllm serve, first request, start-up on {model}")
             openai_path.run(model, plan, results)
+    if "latency" in parts:
+        _progress("items 7, 8, 9, job slots and where a job's first byte waits (stub worker)")
+        job_start.run_stub(plan, results)
+        _progress(f"items 6, 9, job path ÷ vllm serve (vllm bench), first byte on {plan.latency_model}")
+        job_start.run_model(plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
     path = report.write(results, out, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))

@@ -51,6 +51,10 @@ class Plan:
     # The tiny model's loads take about a second each and swing twofold on both paths alike
     # (where the OS puts the engine's threads on 2 cores): more repetitions steady the median.
     tiny_load_reps: int = 9
+    latency_model: str = "smollm2-135m-instruct"  # items 6 and 9 (real worker)
+    slot_jobs: int = 300  # item 7: jobs per burst on the stub worker's 30 slots
+    trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
+    trace_max_tokens: int = 8  # item 9's real-worker requests
 
     def load_reps(self, model: str) -> int:
         """Repetitions of item 1's and item 2's A/B load pairs on ``model``."""
@@ -58,7 +62,8 @@ class Plan:
 
 
 QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), openai_goal_concurrency=(1, 4), followups=5,
-             first_max_tokens=8, stub_jobs=32, models=("tiny-llama",), tiny_load_reps=2)
+             first_max_tokens=8, stub_jobs=32, models=("tiny-llama",), tiny_load_reps=2,
+             latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4)
 
 
 def model_env(model: str, plan: Plan) -> dict[str, str]:
@@ -160,6 +165,10 @@ class Results:
     figures: list[Figure] = field(default_factory=list)
     # (model, path, concurrency) → one Load per repetition; paths: raw engine, worker, vllm serve
     loads: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
+    # Item 6: (model, path, concurrency) → one vllm bench result per repetition (bench/job_start.py)
+    job_path: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
+    # Item 9: (worker, "before" | "after") → step → median ms
+    decomposition: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
 
     def figure(self, item: str, model: str, name: str, unit: str = "",
                goal: tuple[str, float] | None = None) -> Figure:

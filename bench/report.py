@@ -12,6 +12,7 @@ from pathlib import Path
 from bench.common import REPO, Figure, Results
 
 CHART = "throughput.png"
+LATENCY_CHART = "job_start.png"
 PATHS = ("raw engine", "worker", "vllm serve")  # the chart's lines (see handler_overhead, openai_path)
 # Medians measured earlier on this kind of machine (openai SDK client, SmolLM2-135M), for comparison.
 ANCHORS = {("raw engine", 1): 32, ("raw engine", 16): 349, ("raw engine", 64): 536,
@@ -59,6 +60,61 @@ def _loads_table(results: Results) -> str:
                      f"{statistics.median(load.ttft for load in loads) * 1000:.0f}",
                      str(anchor) if anchor else ""))
     return _markdown(("model", "path", "streams", "tokens/s", "TTFT ms", "earlier anchor tokens/s"), rows)
+
+
+def _job_path_table(results: Results) -> str:
+    """Item 6's medians per path: vllm bench's median TTFT and output tokens/s."""
+    rows = [(model, path, str(n), f"{statistics.median(load.ttft for load in loads) * 1000:.1f}",
+             f"{statistics.median(load.tokens_per_s for load in loads):.1f}")
+            for (model, path, n), loads in sorted(results.job_path.items(), key=lambda kv: kv[0][2])]
+    return _markdown(("model", "path", "concurrency", "median TTFT ms", "output tokens/s"), rows)
+
+
+def _decomposition_table(results: Results) -> str:
+    """Item 9: one row per step, one column per (worker, loop)."""
+    columns = list(results.decomposition)
+    steps = list(results.decomposition[columns[0]])
+    rows = [(step, *(f"{results.decomposition[column][step]:.2f}" for column in columns)) for step in steps]
+    return _markdown(("step (median ms)", *(f"{worker}, {loop}" for worker, loop in columns)), rows)
+
+
+def latency_chart(results: Results, path: Path) -> None:
+    """Item 9 as stacked bars: each step's median, per worker and loop."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = list(results.decomposition)
+    steps = [step for step in results.decomposition[columns[0]] if not step.startswith("total")]
+    fig, ax = plt.subplots(figsize=(11, 1.2 + 0.7 * len(columns)))
+    left = [0.0] * len(columns)
+    for step in steps:
+        widths = [results.decomposition[column][step] for column in columns]
+        ax.barh([f"{worker}, {loop}" for worker, loop in columns], widths, left=left, label=step)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.set(xscale="symlog", xlabel="ms (median of each step; symlog scale)",
+           title="Job start: client sends → client's first byte")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _latency_sections(results: Results, out: Path) -> list[str]:
+    """Items 6 and 9's sections (and chart), when the ``latency`` part ran."""
+    if not results.decomposition:
+        return []
+    latency_chart(results, out / LATENCY_CHART)
+    return ["## Job path through vllm bench: medians per path", "",
+            "`vllm.benchmarks.serve` (random dataset, openai-chat); worker after = JobLoop, before =",
+            "the runpod SDK's loop (`JOB_LOOP=sdk`).", "", _job_path_table(results), "",
+            "## Job start: where the time goes", "",
+            "Sequential streamed chats at concurrency 1; `time.time()` stamps in the client, the endpoint",
+            "(`bench/trace_endpoint.py`) and the worker (`bench/trace_worker.py`). Before = the runpod",
+            "SDK's loop (`JOB_LOOP=sdk`), after = JobLoop. Medians of each step do not add up exactly to the",
+            "median total.", "", _decomposition_table(results), "",
+            f"![where the time goes]({LATENCY_CHART})", ""]
 
 
 def _machine() -> list[str]:
@@ -137,6 +193,7 @@ def write(results: Results, out: Path, command: str, minutes: float, load_averag
         "",
         *([f"![tokens/s and time to first token against concurrency]({CHART})", "",
            "## Medians per path", "", _loads_table(results), ""] if results.loads else []),
+        *_latency_sections(results, out),
     ])
     path = out / "RESULTS.md"
     path.write_text(text)

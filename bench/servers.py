@@ -3,7 +3,8 @@
 - ``vllm serve`` (vLLM's own launcher) with flags equal to the worker's resolved configuration;
 - the local RunPod endpoint (``python -m endpoint``) with one real worker, ``src/handler.py`` under
   the runpod SDK's loop. Its start-up is timed from the worker process's start (the kernel's record)
-  to its ``Worker ready`` log line (which splits the phases) and to its first call for work.
+  to its ``Worker ready`` log line (which splits the phases) and to its first call for work. Items 7-9
+  (``bench/job_start.py``) run it with another worker script and under ``bench/trace_endpoint.py``.
 
 Each server runs in its own session, so stopping it ends every process it started (vLLM's engine
 processes, the SDK's heartbeat) and nothing else.
@@ -46,7 +47,7 @@ class Server:
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
-        self.log_path = log_path
+        self.env, self.log_path = env, log_path
         self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=REPO, env={**os.environ, **env},
                                      stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
@@ -134,16 +135,23 @@ class StartUp:
 class Endpoint(Server):
     what = "the local endpoint"
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        super().__init__([sys.executable, "-m", "endpoint", "--workers", "1"], env, log_path)
+    def __init__(self, env: dict[str, str], log_path: Path, handler: Path | None = None,
+                 traced: bool = False) -> None:
+        """``handler``: another worker script than src/handler.py (whose start-up is then not measured);
+        ``traced``: run the endpoint under ``bench/trace_endpoint.py``, which stamps its job path."""
+        self.handler = handler
+        launcher = [str(REPO / "bench" / "trace_endpoint.py")] if traced else ["-m", "endpoint"]
+        super().__init__([sys.executable, *launcher, "--workers", "1",
+                          *(["--handler", str(handler)] if handler else [])], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
 
     def _ready(self) -> bool:
-        """Ready when the worker first calls for work; its start-up is measured then."""
+        """Ready when the worker first calls for work; src/handler.py's start-up is measured then."""
         response = self.get(f"http://127.0.0.1:{self.port}/v2/local/health")
         if response is None or response.json()["workers"]["ready"] < 1:
             return False
-        self.start_up = self._start_up(taking_jobs=time.time())
+        if self.handler is None:
+            self.start_up = self._start_up(taking_jobs=time.time())
         return True
 
     def _start_up(self, taking_jobs: float) -> StartUp:
