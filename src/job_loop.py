@@ -150,4 +150,5 @@ def install(enabled: bool = True) -> bool:
                     "this is %s", SDK_VERSION, installed)
         return False
     rp_scale.JobScaler = JobLoop
+    log.info("Job loop: JobLoop (a taken job starts at once, a freed slot is refilled when it frees)")
     return True
