@@ -88,6 +88,8 @@ class JobLoop(rp_scale.JobScaler):
                 self._track(jobs or [])
                 for job in jobs or ():
                     self._start(session, job)
+                if jobs:
+                    log.info("Jobs in progress: %d", len(self._tasks))
             finally:
                 self._fetching = False
                 self._fetch_ended.set()
