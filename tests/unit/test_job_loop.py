@@ -34,8 +34,10 @@ SDK_SOURCES = {
     "JobScaler.run_jobs": "74cd623de98ef8b4",
     "JobScaler.set_scale": "e137f173c456d41b",
     "rp_job.get_job": "8ce238208ca5261a",
-    "JobsProgress.add": "639a6f7009239cf3",
+    "rp_job._job_get_url": "08b9c30905c64480",
+    "JobsProgress._load_state": "ad13f28f271d3ff4",
     "JobsProgress._save_state": "19150356a474a85a",
+    "JobsProgress.get_job_list": "ae30123a31e10b4d",
     "worker.run_worker": "f7e8275a7c9c33df",
 }
 _OWNERS = {"worker": worker, "rp_job": rp_job, "JobsProgress": JobsProgress}
@@ -84,6 +86,7 @@ class Platform:
         self.asked: list[int] = []  # how many jobs each fetch asked for
 
     async def fetch(self, _session, count: int) -> list[dict]:
+        JobsProgress().get_job_list()  # as the SDK's fetcher does: reloads the set from its file
         if self.failures:
             self.failures -= 1
             raise ConnectionError("platform unreachable")
@@ -241,17 +244,32 @@ def test_a_failing_concurrency_modifier_keeps_the_last_concurrency(caplog):
     assert "The concurrency modifier failed; keeping 2" in caplog.text
 
 
-def test_the_heartbeats_job_file_lists_a_fetched_batch_and_forgets_finished_jobs(tmp_path):
+def test_the_heartbeats_job_file_is_written_once_per_batch_and_never_brings_back_a_finished_job(
+        tmp_path, monkeypatch):
+    writes = []
+    save = JobsProgress._save_state
+    monkeypatch.setattr(JobsProgress, "_save_state", lambda self: (writes.append(1), save(self)))
+
     def listed() -> set[str]:
         with open(tmp_path / "jobs.pkl", "rb") as file:  # what the heartbeat process reads
             return {str(job) for job in pickle.load(file)}
 
-    async def scenario(platform: Platform, _scaler) -> None:
+    async def written() -> None:
+        await asyncio.sleep(job_loop.PROGRESS_WRITE_SECONDS)
+        await turns()
+
+    async def scenario(platform: Platform, scaler) -> None:
+        writes.clear()
         platform.submit("a", "b", "c")
         await turns()
-        assert listed() == {"a", "b", "c"}
-        platform.running["b"].set()
+        await written()
+        assert listed() == {"a", "b", "c"} and len(writes) == 1
+        platform.running["b"].set()  # its slot frees: the next fetch starts, reloading the file
         await turns()
-        assert listed() == {"a", "c"}
+        assert "b" not in listed() and scaler.current_occupancy() == 2
+        platform.submit("d")
+        await turns()
+        await written()
+        assert listed() == {"a", "c", "d"} and scaler.current_occupancy() == 3
 
     run_with_loop(3, scenario)
