@@ -92,7 +92,9 @@ def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurr
         samples = sampler.stop()
         concurrency_file.set(4)
     queued = [running for running, waiting in samples if waiting]
-    assert max(queued) == 10
+    # wait_for saw 10; the sampler may not have: the worker can hold 10 for a few milliseconds only,
+    # when jobs that started together end one by one while the concurrency falls to 2.
+    assert max(queued) <= 10
     # Raised from 4 to 10: the worker took more jobs while its first ones ran. The runpod SDK's own
     # loop drains to 0 first, and at 2 it never holds more than 2 again.
     assert 0 not in queued[queued.index(4):raised]
