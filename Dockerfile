@@ -18,9 +18,11 @@ RUN if [ "$VLLM_NIGHTLY" = "true" ]; then \
     fi
 
 # Hugging Face caches on RunPod's network volume (mounted at BASE_PATH): models that are not baked
-# in are downloaded there at start-up and shared by the endpoint's workers.
+# in are downloaded there at start-up and shared by the endpoint's workers. The worker keeps vLLM's
+# compile cache there too ($BASE_PATH/vllm-cache; see the README's "Cold start").
 ARG BASE_PATH=/runpod-volume
-ENV HF_HOME=${BASE_PATH}/huggingface-cache \
+ENV BASE_PATH=${BASE_PATH} \
+    HF_HOME=${BASE_PATH}/huggingface-cache \
     HUGGINGFACE_HUB_CACHE=${BASE_PATH}/huggingface-cache/hub \
     HF_DATASETS_CACHE=${BASE_PATH}/huggingface-cache/datasets \
     PYTHONUNBUFFERED=1 \

@@ -3,7 +3,8 @@
 Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no model), ``engine``
 (1: handler() ÷ AsyncLLM.generate), ``openai`` (2: worker ÷ vllm serve through the openai SDK,
 3: first request, 5: start-up), ``latency`` (6-9: job start, before and after the worker's job loop,
-on ``Plan.latency_model`` and the stub worker). The full run writes ``bench/RESULTS.md`` and its
+on ``Plan.latency_model`` and the stub worker), ``start`` (10-12: start-up beside ``vllm serve``, the
+compile cache cold and warm, weight load formats, on ``Plan.latency_model``). The full run writes ``bench/RESULTS.md`` and its
 chart; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary folder instead.
 """
 
@@ -17,9 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import common, handler_overhead, job_start, openai_path, report, stub_cost
+from bench import cold_start, common, handler_overhead, job_start, openai_path, report, stub_cost
 
-PARTS = ("stub", "engine", "openai", "latency")
+PARTS = ("stub", "engine", "openai", "latency", "start")
 
 
 def _parse() -> argparse.Namespace:
@@ -62,6 +63,9 @@ def main() -> None:
         job_start.run_stub(plan, results)
         _progress(f"items 6, 9, job path ÷ vllm serve (vllm bench), first byte on {plan.latency_model}")
         job_start.run_model(plan, results)
+    if "start" in parts:
+        _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
+        cold_start.run(plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
     path = report.write(results, out, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))

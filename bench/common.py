@@ -169,6 +169,8 @@ class Results:
     job_path: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
     # Item 9: (worker, "before" | "after") → step → median ms
     decomposition: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    # What could not be measured, and why (item → reason)
+    notes: dict[str, str] = field(default_factory=dict)
 
     def figure(self, item: str, model: str, name: str, unit: str = "",
                goal: tuple[str, float] | None = None) -> Figure:

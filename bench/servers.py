@@ -119,7 +119,10 @@ class VllmServe(Server):
 
     def _ready(self) -> bool:
         response = self.get(f"http://127.0.0.1:{self.port}/health")
-        return response is not None and response.status_code == 200
+        if response is None or response.status_code != 200:
+            return False
+        self.start_up = time.time() - _process_start(self.proc.pid)  # process start → /health
+        return True
 
 
 @dataclass(frozen=True)

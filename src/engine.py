@@ -31,6 +31,7 @@ from vllm_adapter import (
     PoolingParams,
     RequestOutput,
     TokensPrompt,
+    compiles,
     load_chat_template,
     start_engine,
 )
@@ -118,6 +119,11 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
             return
         async for _ in outputs:
             pass
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the engine compiled the model (torch.compile), using the compile cache."""
+        return compiles(self.llm.vllm_config)
 
     @property
     def max_concurrency(self) -> int:

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deadlines import DeadlinePassed, Deadlines
@@ -185,9 +186,11 @@ def main() -> None:
     import runpod  # here, not at the top: vLLM's spawned processes re-import this file
 
     import job_loop
+    from compile_cache import EngineStart
     from engine import vLLMEngine
     from openai_engine import OpenAIvLLMEngine
     from settings import load_config
+    from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
 
     phase("imports")
     try:
@@ -197,8 +200,11 @@ def main() -> None:
         sys.exit(2)
     phase("config")
     try:
+        cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
+        phase("cache")
         vllm_engine = vLLMEngine(config)
         phase("engine")
+        cache_state = cache.end(vllm_engine.compiles)
         openai_engine = OpenAIvLLMEngine(vllm_engine)
         phase("serving")
     except ConfigError as exc:  # a combination vLLM rejects, found before the model loads
@@ -207,8 +213,9 @@ def main() -> None:
     except Exception:
         log.exception("Worker startup failed")
         sys.exit(1)
-    log.info("Worker ready: taking up to %d concurrent jobs; start-up %s", config.settings.max_concurrency,
-             " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()))
+    log.info("Worker ready: taking up to %d concurrent jobs; start-up %s; compile cache %s",
+             config.settings.max_concurrency,
+             " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()), cache_state)
     job_loop.install(config.settings.job_loop == "worker")
     try:
         runpod.serverless.start({

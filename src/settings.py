@@ -17,6 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
@@ -55,6 +56,8 @@ class WorkerSettings(BaseModel):
                                          validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
     # "worker": job_loop.JobLoop, which starts a taken job at once; "sdk": the runpod SDK's own.
     job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
+    # Keep vLLM's compile cache on the network volume, when one is mounted (compile_cache.py).
+    compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
 
     @classmethod
     def env_names(cls) -> frozenset[str]:
@@ -79,6 +82,30 @@ def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
 class WorkerConfig:
     settings: WorkerSettings
     args: ResolvedArgs
+    # vLLM's compile cache on the network volume (compile_cache.VolumeCache); None: not kept there.
+    volume_cache: Path | None = None
+
+
+# Where RunPod mounts the network volume (the image's BASE_PATH build arg, also set in its env).
+DEFAULT_BASE_PATH = "/runpod-volume"
+VOLUME_CACHE_DIR = "vllm-cache"  # under BASE_PATH
+
+
+def volume_cache_dir(settings: WorkerSettings, env: Mapping[str, str]) -> Path | None:
+    """The compile cache's folder on the network volume, when one is mounted at BASE_PATH and
+    neither VLLM_CACHE_ROOT (the user's own cache root) nor COMPILE_CACHE_ON_VOLUME=false says no."""
+    volume = Path(env.get("BASE_PATH", "").strip() or DEFAULT_BASE_PATH)
+    if not settings.compile_cache_on_volume:
+        reason = "COMPILE_CACHE_ON_VOLUME=false"
+    elif env.get("VLLM_CACHE_ROOT", "").strip():
+        reason = "VLLM_CACHE_ROOT is set"
+    elif not (volume.is_dir() and os.access(volume, os.W_OK)):
+        reason = f"no writable network volume at {volume} (BASE_PATH)"
+    else:
+        log.info("Compile cache: kept on the network volume, in %s", volume / VOLUME_CACHE_DIR)
+        return volume / VOLUME_CACHE_DIR
+    log.info("Compile cache: local only (%s)", reason)
+    return None
 
 
 # Prefixes of variables that belong to other programs (no typo check against ours).
@@ -115,4 +142,4 @@ def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
                     "routes in-process, without a bearer token")
     log.info("Engine config: %s", args.summary())
     log.info("Worker settings: %s", settings.model_dump())
-    return WorkerConfig(settings, args)
+    return WorkerConfig(settings, args, volume_cache_dir(settings, env))

@@ -14,8 +14,10 @@ import re
 import msgspec
 import pydantic
 import torch
+import torch._dynamo.config
+import vllm.envs
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
 from vllm.entrypoints.launchers.api_server.app_state import init_app_state
 from vllm.entrypoints.launchers.app import build_app
 
@@ -41,7 +43,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = [
     "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser", "build_openai_app",
-    "create_engine_config", "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message",
+    "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config", "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message",
     "EngineDeadError", "FATAL_ERRORS", "load_chat_template",
     "make_sampling_params", "NOT_FOUND_ERRORS", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
     "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
@@ -127,6 +129,25 @@ def engine_config_message(exc: BaseException) -> str:
     if isinstance(exc, pydantic.ValidationError):
         return "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
     return str(exc) or type(exc).__name__
+
+
+# Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends
+# on (compile_cache.py): torch.compile's graphs and kernels (Inductor's and Triton's caches are
+# redirected into them), AOT-compiled functions, the memory-profiling plan
+# (VLLM_ENABLE_STARTUP_PLAN) and the model registry's inspection results.
+CACHE_ENTRY_DIRS = ("torch_compile_cache", "torch_compile_cache/torch_aot_compile", "startup_plan",
+                    "modelinfos")
+
+
+def cache_root() -> str:
+    """vLLM's cache root: VLLM_CACHE_ROOT, else its default (under XDG_CACHE_HOME or ~/.cache)."""
+    return vllm.envs.VLLM_CACHE_ROOT
+
+
+def compiles(vllm_config: VllmConfig) -> bool:
+    """Whether this engine compiles the model with torch.compile (not ENFORCE_EAGER, not
+    TORCH_COMPILE_DISABLE), and so reads or writes compile cache entries."""
+    return vllm_config.compilation_config.mode != CompilationMode.NONE and not torch._dynamo.config.disable
 
 
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs) -> AsyncLLM:

@@ -1,0 +1,126 @@
+"""Items 10-12: cold start.
+
+10. Side by side: the worker, from its process's start to its first call for work (under the local
+    endpoint), and ``vllm serve``, from its process's start to ``/health`` answering; same model and
+    engine flags, started in turn (ABBA…).
+11. The compile cache: a worker with torch.compile on (no ``ENFORCE_EAGER``, no
+    ``TORCH_COMPILE_DISABLE``), each start on a fresh container disk (its own ``XDG_CACHE_HOME`` and
+    ``TMPDIR``), with a network volume (``BASE_PATH``) that is empty (cold) or holds what the cold
+    start published (warm). The compile phase is vLLM's engine initialisation (profiling run,
+    KV cache, warm-up: where the model is compiled), from vLLM's own log line.
+12. Weight loading: vLLM's "Loading weights took" for each load format (and safetensors load
+    strategy) that works on this CPU.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import Plan, Results, ab, model_env
+from bench.servers import Endpoint, VllmServe
+
+# vLLM's own log lines (EngineCore's output, relayed to the worker's log).
+INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+LOAD_WEIGHTS = re.compile(r"Loading weights took ([\d.]+) s")
+CACHE_STATE = re.compile(r"Worker ready: .*; compile cache (\w+)")
+COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
+# LOAD_FORMAT (and SAFETENSORS_LOAD_STRATEGY) settings measured in item 12.
+LOAD_FORMATS = {"auto": {}, "safetensors, eager": {"LOAD_FORMAT": "safetensors",
+                                                   "SAFETENSORS_LOAD_STRATEGY": "eager"},
+                "safetensors, prefetch": {"LOAD_FORMAT": "safetensors",
+                                          "SAFETENSORS_LOAD_STRATEGY": "prefetch"},
+                "runai_streamer": {"LOAD_FORMAT": "runai_streamer"},
+                "fastsafetensors": {"LOAD_FORMAT": "fastsafetensors"}}
+
+
+def _logged(pattern: re.Pattern, log: str) -> str:
+    if (match := pattern.search(log)) is None:
+        raise RuntimeError(f"no line matching {pattern.pattern!r} in the worker's log:\n{log[-3000:]}")
+    return match[1]
+
+
+def _worker(env: dict[str, str], log_path: Path) -> Endpoint:
+    """A worker started under the local endpoint; stopped before it is returned."""
+    endpoint = Endpoint(env, log_path)
+    endpoint.stop()
+    return endpoint
+
+
+def _serve(env: dict[str, str], log_path: Path) -> float:
+    serve = VllmServe(env, log_path)
+    serve.stop()
+    return serve.start_up
+
+
+def side_by_side(model: str, plan: Plan, logs: Path, results: Results) -> None:
+    """Item 10."""
+    env = model_env(model, plan)
+    item = "10 start-up side by side"
+    for rep in range(plan.reps):
+        worker, serve = ab(rep, lambda: _worker(env, logs / f"worker-{rep}.log").start_up.total,
+                           lambda: _serve(env, logs / f"serve-{rep}.log"))
+        results.figure(item, model, "worker: process start → taking jobs", "s").values.append(worker)
+        results.figure(item, model, "vllm serve: process start → /health", "s").values.append(serve)
+        results.figure(item, model, "start-up worker ÷ vllm serve", goal=("≤", 1.0)).values.append(
+            worker / serve)
+
+
+def compile_cache(model: str, plan: Plan, logs: Path, results: Results) -> None:
+    """Item 11: per repetition, a cold start on an empty volume, then a warm one on what it left."""
+    item = "11 compile cache"
+    for rep in range(plan.reps):
+        volume = Path(tempfile.mkdtemp(prefix="bench-volume-"))
+        phases = {}
+        for state in ("cold", "warm"):
+            disk = Path(tempfile.mkdtemp(prefix=f"bench-disk-{state}-"))
+            env = {**model_env(model, plan), **COMPILE_ON, "BASE_PATH": str(volume),
+                   "XDG_CACHE_HOME": str(disk / "cache"), "TMPDIR": str(disk)}
+            endpoint = _worker(env, logs / f"compile-{rep}-{state}.log")
+            log = endpoint.log()
+            if (found := _logged(CACHE_STATE, log)) != state:
+                raise RuntimeError(f"a {state} start logged its compile cache as {found}")
+            if state == "cold":
+                _wait_published(volume)
+            phases[state] = float(_logged(INIT_ENGINE, log))
+            results.figure(item, model, f"compile phase (vLLM's engine init), {state}", "s").values.append(
+                phases[state])
+            results.figure(item, model, f"process start → taking jobs, {state}", "s").values.append(
+                endpoint.start_up.total)
+        results.figure(item, model, "compile phase cold ÷ warm", goal=("≥", 5.0)).values.append(
+            phases["cold"] / phases["warm"])
+
+
+def _wait_published(volume: Path, timeout: float = 120) -> None:
+    """The cold start publishes in the background: wait until its entries are on the volume."""
+    deadline = time.monotonic() + timeout
+    while not any((volume / "vllm-cache" / "torch_compile_cache").glob("*")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"nothing was published to {volume}")
+        time.sleep(0.5)
+
+
+def load_formats(model: str, plan: Plan, logs: Path, results: Results) -> None:
+    """Item 12: each load format in turn, ``plan.reps`` times (a format this CPU cannot use is noted)."""
+    item = "12 weight loading"
+    for rep in range(plan.reps):
+        names = list(LOAD_FORMATS)[::-1] if rep % 2 else list(LOAD_FORMATS)
+        for name in names:
+            env = {**model_env(model, plan), **LOAD_FORMATS[name]}
+            try:
+                endpoint = _worker(env, logs / f"load-{rep}-{name}.log")
+            except RuntimeError as exc:
+                results.notes.setdefault(f"{item}: {name}", str(exc).splitlines()[-1][:300])
+                continue
+            results.figure(item, model, f"Loading weights took, {name}", "s").values.append(
+                float(_logged(LOAD_WEIGHTS, endpoint.log())))
+
+
+def run(plan: Plan, results: Results) -> None:
+    logs = Path(tempfile.mkdtemp(prefix="bench-cold-start-"))
+    model = plan.latency_model
+    side_by_side(model, plan, logs, results)
+    compile_cache(model, plan, logs, results)
+    load_formats(model, plan, logs, results)

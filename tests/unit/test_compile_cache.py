@@ -1,0 +1,155 @@
+"""The compile cache's mirror on the network volume (src/compile_cache.py): seeding, atomic
+publication, racing publishers, a publisher that died mid-copy, and the cold/warm state."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import compile_cache
+from compile_cache import TMP_PREFIX, EngineStart, VolumeCache, cache_state, entries, snapshot
+
+DIRS = ("torch_compile_cache", "torch_compile_cache/torch_aot_compile", "modelinfos")
+
+
+def make_entry(root: Path, name: str, files: int = 3, size: int = 1000) -> None:
+    """A folder entry of ``files`` files (or, for modelinfos, one file)."""
+    if name.startswith("modelinfos/"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(name)
+        return
+    for i in range(files):
+        path = root / name / "rank_0_0" / f"part{i}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes([i % 256]) * size)
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_entries_are_the_keyed_children_without_temporary_copies(tmp_path):
+    make_entry(tmp_path, "torch_compile_cache/abc")
+    make_entry(tmp_path, "torch_compile_cache/torch_aot_compile/def")
+    make_entry(tmp_path, "modelinfos/llama.json")
+    (tmp_path / "torch_compile_cache" / f"{TMP_PREFIX}abc-123").mkdir()
+    (tmp_path / "assets").mkdir()  # not an entry folder
+    assert entries(tmp_path, DIRS) == {"torch_compile_cache/abc", "torch_compile_cache/torch_aot_compile/def",
+                                       "modelinfos/llama.json"}
+    assert entries(tmp_path / "missing", DIRS) == frozenset()
+
+
+def test_seed_copies_what_the_local_root_lacks_and_publish_what_the_volume_lacks(tmp_path):
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    make_entry(volume, "torch_compile_cache/old")
+    make_entry(volume, "modelinfos/a.json")
+    cache = VolumeCache(volume, local, DIRS)
+    assert cache.seed() == 2
+    assert tree(local) == tree(volume)
+    make_entry(local, "torch_compile_cache/new", files=5)
+    assert cache.publish() == 1
+    assert tree(volume) == tree(local)
+    assert cache.publish() == 0 and cache.seed() == 0
+    assert not list(volume.rglob(f"{TMP_PREFIX}*"))
+
+
+def _publish(volume: str, local: str, start: multiprocessing.Event) -> None:
+    start.wait()
+    VolumeCache(Path(volume), Path(local), DIRS).publish()
+
+
+def test_workers_publishing_the_same_entry_at_once_leave_one_whole_copy(tmp_path):
+    """Eight processes publish their own copy of one entry at the same moment, while a reader
+    watches the volume: it never sees a partial entry, and one copy wins whole."""
+    volume = tmp_path / "volume"
+    locals_ = []
+    for i in range(8):
+        local = tmp_path / f"local{i}"
+        make_entry(local, "torch_compile_cache/same", files=20, size=50_000)
+        (local / "torch_compile_cache" / "same" / "writer").write_text(str(i))
+        locals_.append(local)
+    start = multiprocessing.Event()
+    procs = [multiprocessing.Process(target=_publish, args=(str(volume), str(local), start))
+             for local in locals_]
+    for proc in procs:
+        proc.start()
+    start.set()
+    entry = volume / "torch_compile_cache" / "same"
+    while any(proc.is_alive() for proc in procs):
+        if entry.exists():
+            assert len(list(entry.rglob("part*"))) == 20  # whole, or not there at all
+    for proc in procs:
+        proc.join()
+        assert proc.exitcode == 0
+    winner = int((entry / "writer").read_text())
+    assert tree(volume / "torch_compile_cache") == tree(locals_[winner] / "torch_compile_cache")
+    assert not list(volume.rglob(f"{TMP_PREFIX}*"))
+
+
+def test_a_copy_left_by_a_worker_that_died_is_never_read_and_is_removed_when_stale(tmp_path):
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    torn = volume / "torch_compile_cache" / f"{TMP_PREFIX}abc-1"
+    make_entry(volume, f"torch_compile_cache/{TMP_PREFIX}abc-1")
+    make_entry(volume, f"torch_compile_cache/{TMP_PREFIX}abc-2")
+    old = time.time() - compile_cache.STALE_TMP_SECONDS - 10
+    os.utime(torn, (old, old))
+    cache = VolumeCache(volume, local, DIRS)
+    assert cache.seed() == 0 and entries(local, DIRS) == frozenset()
+    cache.publish()
+    assert not torn.exists()  # stale: removed
+    assert (volume / "torch_compile_cache" / f"{TMP_PREFIX}abc-2").exists()  # may still be copying
+
+
+def test_a_failed_copy_is_logged_and_leaves_nothing_behind(tmp_path, caplog, monkeypatch):
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    make_entry(local, "torch_compile_cache/abc")
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compile_cache.shutil, "copytree", full_disk)
+    assert VolumeCache(volume, local, DIRS).publish() == 0
+    assert "No space left on device" in caplog.text
+    assert entries(volume, DIRS) == frozenset()
+    assert not list(volume.rglob(f"{TMP_PREFIX}*"))
+
+
+@pytest.mark.parametrize(("before", "after", "compiles", "state"), [
+    ({}, {"a": {1}}, True, "cold (1 entries written)"),
+    ({"a": {1}}, {"a": {1}}, True, "warm"),
+    ({"a": {1}}, {"a": {2}, "b": {1}, "c": {1}}, True, "cold (3 entries written)"),  # a: written again
+    ({}, {}, False, "off"),
+    ({}, {}, True, "unused"),
+])
+def test_cache_state(before, after, compiles, state):
+    assert str(cache_state(before, after, compiles)) == state
+
+
+def test_an_entry_written_again_makes_the_start_cold(tmp_path):
+    """vLLM compiles again and rewrites an entry it could not load (its CPU build does so)."""
+    make_entry(tmp_path, "torch_compile_cache/abc")
+    before = snapshot(tmp_path, DIRS)
+    assert snapshot(tmp_path, DIRS) == before
+    part = tmp_path / "torch_compile_cache" / "abc" / "rank_0_0" / "part0"
+    part.write_bytes(b"recompiled")
+    assert str(cache_state(before, snapshot(tmp_path, DIRS), compiles=True)) == "cold (1 entries written)"
+
+
+def test_an_engine_start_seeds_before_and_publishes_after(tmp_path):
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    make_entry(volume, "torch_compile_cache/old")
+    start = EngineStart.begin(local, DIRS, volume)
+    assert entries(local, DIRS) == {"torch_compile_cache/old"}
+    make_entry(local, "torch_compile_cache/new")  # what the engine compiled
+    assert str(start.end(compiles=True)) == "cold (1 entries written)"
+    deadline = time.monotonic() + 30
+    while entries(volume, DIRS) != {"torch_compile_cache/old", "torch_compile_cache/new"}:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    warm = EngineStart.begin(tmp_path / "fresh", DIRS, volume)
+    assert str(warm.end(compiles=True)) == "warm"
+    assert str(EngineStart.begin(tmp_path / "alone", DIRS, None).end(compiles=True)) == "unused"
