@@ -117,9 +117,9 @@ class VolumeCache:
             _remove_stale_copies(self.volume / parent)
         missing = sorted(entries(self.local, self.entry_dirs) - entries(self.volume, self.entry_dirs))
         published = sum(_copy_atomically(self.local / name, self.volume / name) for name in missing)
-        if missing:
-            log.info("Compile cache: %d new entries published to %s in %.2fs (%d already there)",
-                     published, self.volume, time.perf_counter() - started, len(missing) - published)
+        log.info("Compile cache: %d new entries published to %s in %.2fs (%d published by another "
+                 "worker meanwhile)", published, self.volume, time.perf_counter() - started,
+                 len(missing) - published)
         return published
 
 

@@ -13,6 +13,7 @@ for, each choice also carries ``"logprobs"``: one ``{"token", "token_id", "logpr
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -76,7 +77,9 @@ def _new_tokens(output: RequestOutput) -> int:
 class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
     """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
 
-    def __init__(self, config: WorkerConfig | None = None) -> None:
+    def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True) -> None:
+        """``warm_up=False`` leaves the warm-up request to the caller (``warm_up()``), which may
+        run it beside other start-up work."""
         self.config = config or load_config()
         self.settings = self.config.settings
         self.engine_args = self.config.args.engine_args
@@ -84,7 +87,8 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         started = time.perf_counter()
         self.llm: AsyncLLM = self.loop.run(self._start())
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
-        self.loop.run(self._warm_up())
+        if warm_up:
+            self.warm_up().result()
         template = load_chat_template(self.config.args.namespace.chat_template)
         self.tokenizer = TokenizerWrapper(self.llm.get_tokenizer(), template)
 
@@ -92,6 +96,10 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         # Built inside the private loop, which its output handler then belongs to. Building the
         # engine configuration first raises ConfigError for combinations vLLM rejects.
         return start_engine(self.config.args.engine_config(), self.engine_args)
+
+    def warm_up(self) -> concurrent.futures.Future[None]:
+        """Starts the warm-up request on the engine's loop."""
+        return self.loop.submit(self._warm_up())
 
     async def _warm_up(self) -> None:
         """A short request through the whole path, so the first job pays no first-use costs.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import threading
 import weakref
@@ -64,7 +65,11 @@ class BackgroundLoop:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on this loop and wait for it (from synchronous code only)."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return self.submit(coro).result(timeout)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on this loop; its result is the future's."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     async def stream(self, source: AsyncIterator[T]) -> AsyncIterator[T]:
         """Iterate ``source`` on this loop, yielding its items in the caller's loop.

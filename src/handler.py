@@ -18,6 +18,7 @@ engine itself is dead: then the worker exits with status 1 and RunPod replaces i
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import multiprocessing
 import os
@@ -162,6 +163,22 @@ def _concurrency(settings: WorkerSettings) -> Callable[[int], int]:
     return concurrency
 
 
+# Imported beside the engine's start (main()): the runpod SDK (about 1.5 s) and our serving modules.
+SERVING_MODULES = ("runpod", "job_loop", "openai_engine")
+
+
+def _import_serving() -> None:
+    """Imports what only serving needs; a failure is raised again where main() imports it for use."""
+    from vllm_adapter import import_app_modules
+
+    try:
+        for name in SERVING_MODULES:
+            importlib.import_module(name)
+        import_app_modules()
+    except Exception:  # noqa: BLE001, S110 - main() imports these again and reports the error
+        return
+
+
 def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
@@ -183,12 +200,8 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    import runpod  # here, not at the top: vLLM's spawned processes re-import this file
-
-    import job_loop
     from compile_cache import EngineStart
     from engine import vLLMEngine
-    from openai_engine import OpenAIvLLMEngine
     from settings import load_config
     from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
 
@@ -202,10 +215,20 @@ def main() -> None:
     try:
         cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
         phase("cache")
-        vllm_engine = vLLMEngine(config)
+        # What only serving needs is imported while vLLM's processes start (not at the top:
+        # vLLM's spawned processes re-import this file).
+        threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
+        vllm_engine = vLLMEngine(config, warm_up=False)
         phase("engine")
+        import runpod
+
+        import job_loop
+        from openai_engine import OpenAIvLLMEngine
+
         cache_state = cache.end(vllm_engine.compiles)
+        warming = vllm_engine.warm_up()  # beside building the app: both wait on vLLM's processes
         openai_engine = OpenAIvLLMEngine(vllm_engine)
+        warming.result()
         phase("serving")
     except ConfigError as exc:  # a combination vLLM rejects, found before the model loads
         log.error("Worker configuration error: %s", exc)

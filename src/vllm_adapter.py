@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import logging
 import re
 
@@ -18,8 +19,6 @@ import torch._dynamo.config
 import vllm.envs
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
-from vllm.entrypoints.launchers.api_server.app_state import init_app_state
-from vllm.entrypoints.launchers.app import build_app
 
 try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
     from vllm.entrypoints.common.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
@@ -42,9 +41,10 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
 __all__ = [
-    "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser", "build_openai_app",
-    "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config", "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message",
-    "EngineDeadError", "FATAL_ERRORS", "load_chat_template",
+    "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
+    "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
+    "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message", "EngineDeadError",
+    "FATAL_ERRORS", "import_app_modules", "load_chat_template",
     "make_sampling_params", "NOT_FOUND_ERRORS", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
     "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
     "TokensPrompt", "validate_frontend_args", "visible_gpu_count", "VllmConfig",
@@ -158,6 +158,16 @@ def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs) -> Async
         disable_log_stats=engine_args.disable_log_stats)
 
 
+# vLLM's app and serving classes: needed once the engine is up, so imported only then (the worker
+# imports them while the engine starts: import_app_modules).
+APP_MODULES = ("vllm.entrypoints.launchers.app", "vllm.entrypoints.launchers.api_server.app_state")
+
+
+def import_app_modules() -> None:
+    for name in APP_MODULES:
+        importlib.import_module(name)
+
+
 async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
     """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it.
 
@@ -165,11 +175,12 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
     otherwise each full collection while serving walks vLLM's and torch's ~600k start-up objects
     (a 0.35 s pause on the CPU machines).
     """
+    app_module, state_module = (importlib.import_module(name) for name in APP_MODULES)
     supported_tasks = await engine.get_supported_tasks()
     root = logging.getLogger()
     level = root.level
     try:
-        app = build_app(namespace, supported_tasks, engine.model_config)
+        app = app_module.build_app(namespace, supported_tasks, engine.model_config)
     finally:
         # Building it imports model_hosting_container_standards (vLLM's SageMaker routes), which sets
         # the root logger to $LOG_LEVEL or else ERROR: that would silence the worker's own logs.
@@ -178,7 +189,7 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
     # bearer token that jobs never carry. (vLLM has already built the stack: build it again.)
     app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthenticationMiddleware]
     app.middleware_stack = app.build_middleware_stack()
-    await init_app_state(engine, app.state, namespace, supported_tasks)
+    await state_module.init_app_state(engine, app.state, namespace, supported_tasks)
     freeze_gc_heap()
     return app
 

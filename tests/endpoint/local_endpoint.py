@@ -17,7 +17,8 @@ HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logge
 
 
 class LocalEndpoint:
-    def __init__(self, env: dict[str, str], workers: int, log_path, handler: str | None = None) -> None:
+    def __init__(self, env: dict[str, str], workers: int, log_path, handler: str | None = None,
+                 ready_timeout: float = 400) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}/v2/local"
         self.log_path = log_path
@@ -29,10 +30,10 @@ class LocalEndpoint:
             stdout=log_path.open("w"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
                                  timeout=120)
-        self.ready_after = self._wait_ready(workers)
+        self.ready_after = self._wait_ready(workers, ready_timeout)
 
-    def _wait_ready(self, workers: int) -> float:
-        deadline = time.monotonic() + 400
+    def _wait_ready(self, workers: int, timeout: float) -> float:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             if "worker(s) ready" in self.log():
                 assert self.http.get("/health").json()["workers"]["ready"] == workers

@@ -1,0 +1,82 @@
+"""vLLM's compile cache on the network volume (src/compile_cache.py), on the real engine with
+torch.compile on: two workers, each on a container disk of its own, start at the same moment on one
+empty volume; both serve, and the volume then holds each entry once and whole. A third worker, on a
+fresh disk, starts from what they published and answers the same."""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from local_endpoint import LocalEndpoint
+
+from compile_cache import TMP_PREFIX, entries
+from vllm_adapter import CACHE_ENTRY_DIRS
+
+COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
+JOB = {"input": {"prompt": "The lighthouse keeper", "sampling_params": {"temperature": 0, "max_tokens": 8}}}
+PUBLISHED = re.compile(r"Compile cache: (\d+) new entries published")
+
+
+def start(models, volume, disk, log) -> LocalEndpoint:
+    env = {"MODEL_NAME": str(models["tiny-llama"]), "BASE_PATH": str(volume), "XDG_CACHE_HOME": str(disk),
+           "MAX_CONCURRENCY": "4", **COMPILE_ON}
+    return LocalEndpoint(env, 1, log, ready_timeout=900)
+
+
+def answer(endpoint: LocalEndpoint) -> str:
+    result = endpoint.http.post("/runsync", json=JOB).json()
+    assert result["status"] == "COMPLETED", result
+    return "".join(result["output"][0]["choices"][0]["tokens"])
+
+
+def tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def wait_published(endpoints: list[LocalEndpoint]) -> int:
+    """Entries the workers published, once each has logged its publication."""
+    deadline = time.monotonic() + 120
+    while not all(PUBLISHED.search(e.log()) for e in endpoints):
+        assert time.monotonic() < deadline, "a worker never published its compile cache"
+        time.sleep(0.5)
+    return sum(int(PUBLISHED.search(e.log())[1]) for e in endpoints)
+
+
+@pytest.mark.timeout(1800)
+def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_from_it(models, tmp_path):
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    disks = [tmp_path / f"disk{i}" for i in range(3)]
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(start, models, volume, disks[i], tmp_path / f"worker{i}.log") for i in range(2)]
+        first = [future.result() for future in starting]
+    try:
+        answers = {answer(endpoint) for endpoint in first}
+        assert len(answers) == 1 and answers != {""}
+        published = wait_published(first)
+    finally:
+        for endpoint in first:
+            endpoint.stop()
+    shared = volume / "vllm-cache"
+    on_volume = entries(shared, CACHE_ENTRY_DIRS)
+    assert any(name.startswith("torch_compile_cache/") for name in on_volume), on_volume
+    assert published == len(on_volume)  # each entry published once: the other copy lost the race
+    assert not [p for p in shared.rglob(f"{TMP_PREFIX}*")]
+    local = [disk / "vllm" for disk in disks[:2]]
+    for name in on_volume:  # whole: the same files, byte for byte, as one worker's own entry
+        copies = [tree(root / name) if (root / name).is_dir() else (root / name).read_bytes()
+                  for root in local if (root / name).exists()]
+        theirs = tree(shared / name) if (shared / name).is_dir() else (shared / name).read_bytes()
+        assert theirs in copies, name
+
+    third = start(models, volume, disks[2], tmp_path / "worker2.log")
+    try:
+        assert answer(third) in answers
+        log = third.log()
+    finally:
+        third.stop()
+    assert f"Compile cache: {len(on_volume)} entries copied from {shared}" in log
+    assert re.search(r"Worker ready: .*; compile cache (warm|cold \(\d+ entries written\))$", log, re.MULTILINE)
