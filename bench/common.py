@@ -51,7 +51,8 @@ class Plan:
     # The tiny model's loads take about a second each and swing twofold on both paths alike
     # (where the OS puts the engine's threads on 2 cores): more repetitions steady the median.
     tiny_load_reps: int = 9
-    latency_model: str = "smollm2-135m-instruct"  # items 6 and 9 (real worker)
+    latency_model: str = "smollm2-135m-instruct"  # items 6, 9, 10 and 12 (real worker)
+    compile_model: str = "tiny-llama"  # item 11: compiling SmolLM2 takes minutes on 2 cores
     slot_jobs: int = 300  # item 7: jobs per burst on the stub worker's 30 slots
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests

@@ -194,7 +194,7 @@ def write(results: Results, out: Path, command: str, minutes: float, load_averag
         *([f"![tokens/s and time to first token against concurrency]({CHART})", "",
            "## Medians per path", "", _loads_table(results), ""] if results.loads else []),
         *_latency_sections(results, out),
-        *(["## Not measured", "", *(f"- {item}: {reason}" for item, reason in results.notes.items()), ""]
+        *(["## Notes", "", *(f"- {item}: {reason}" for item, reason in results.notes.items()), ""]
           if results.notes else []),
     ])
     path = out / "RESULTS.md"
