@@ -126,9 +126,9 @@ class VolumeCache:
 def _copy_atomically(source: Path, target: Path) -> bool:
     """Copy ``source`` (a file or folder) to ``target`` through a temporary sibling renamed into
     place; False when ``target`` appeared meanwhile (another worker's copy won) or the copy failed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"{TMP_PREFIX}{target.name}-{uuid.uuid4().hex}")
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
         if source.is_dir():
             shutil.copytree(source, tmp, symlinks=True)
         else:
@@ -156,10 +156,12 @@ def _remove_stale_copies(parent: Path) -> None:
 
 
 def _remove(path: Path) -> None:
+    """Best effort: what cannot be removed now is a stale copy for a later publisher."""
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _missing_ok() -> contextlib.suppress:

@@ -153,3 +153,11 @@ def test_an_engine_start_seeds_before_and_publishes_after(tmp_path):
     warm = EngineStart.begin(tmp_path / "fresh", DIRS, volume)
     assert str(warm.end(compiles=True)) == "warm"
     assert str(EngineStart.begin(tmp_path / "alone", DIRS, None).end(compiles=True)) == "unused"
+
+
+def test_a_volume_that_cannot_be_written_is_logged_and_the_start_goes_on(tmp_path, caplog):
+    volume, local = tmp_path / "volume", tmp_path / "local"
+    volume.write_text("a file where the folder should be")
+    make_entry(local, "torch_compile_cache/abc")
+    assert VolumeCache(volume, local, DIRS).publish() == 0
+    assert "could not copy" in caplog.text
