@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.common import Plan, Results, ab, model_env
 from bench.servers import Endpoint, VllmServe
+from settings import VOLUME_CACHE_DIR
 
 # vLLM's own log lines (EngineCore's output, relayed to the worker's log).
 INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
@@ -104,7 +105,7 @@ def _reload_failure(log: str) -> str:
 def _wait_published(volume: Path, timeout: float = 120) -> None:
     """The cold start publishes in the background: wait until its entries are on the volume."""
     deadline = time.monotonic() + timeout
-    while not any((volume / "vllm-cache" / "torch_compile_cache").glob("*")):
+    while not any((volume / VOLUME_CACHE_DIR / "torch_compile_cache").glob("*")):
         if time.monotonic() > deadline:
             raise RuntimeError(f"nothing was published to {volume}")
         time.sleep(0.5)

@@ -13,6 +13,7 @@ import pytest
 from local_endpoint import LocalEndpoint
 
 from compile_cache import TMP_PREFIX, entries
+from settings import VOLUME_CACHE_DIR
 from vllm_adapter import CACHE_ENTRY_DIRS
 
 COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
@@ -60,7 +61,7 @@ def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_
     finally:
         for endpoint in first:
             endpoint.stop()
-    shared = volume / "vllm-cache"
+    shared = volume / VOLUME_CACHE_DIR
     on_volume = entries(shared, CACHE_ENTRY_DIRS)
     assert any(name.startswith("torch_compile_cache/") for name in on_volume), on_volume
     assert published == len(on_volume)  # each entry published once: the other copy lost the race
