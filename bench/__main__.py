@@ -29,6 +29,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {','.join(PARTS)}")
     parser.add_argument("--models", help="comma-separated model folders under .cache/models")
     parser.add_argument("--out", type=Path, help="folder for RESULTS.md and the chart")
+    parser.add_argument("--dtype", help="every model's dtype (DTYPE), instead of its own (bfloat16)")
     args = parser.parse_args()
     if unknown := set(args.parts.split(",")) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
@@ -44,6 +45,8 @@ def main() -> None:
     plan = common.QUICK if args.quick else common.Plan()
     if args.models:
         plan = dataclasses.replace(plan, models=tuple(args.models.split(",")))
+    if args.dtype:
+        plan = dataclasses.replace(plan, dtype=args.dtype)
     parts = args.parts.split(",")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else common.REPO / "bench")
     results = common.Results(plan)

@@ -56,6 +56,9 @@ class Plan:
     slot_jobs: int = 300  # item 7: jobs per burst on the stub worker's 30 slots
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
+    # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
+    # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
+    dtype: str | None = None
 
     def load_reps(self, model: str) -> int:
         """Repetitions of item 1's and item 2's A/B load pairs on ``model``."""
@@ -70,12 +73,13 @@ QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), openai_goal_concurrency=
 def model_env(model: str, plan: Plan) -> dict[str, str]:
     """A complete worker environment for ``model`` (no config-file layers), as the tests build it.
 
-    Models run in their own dtype (bfloat16), as the anchors were measured; the tests run SmolLM2
-    in float32 only because it must answer one question right."""
+    Models run in their own dtype (bfloat16), as the anchors were measured, unless ``plan.dtype``
+    says otherwise; the tests run SmolLM2 in float32 only because it must answer one question right."""
     return {"MODEL_NAME": str(MODELS_ROOT / model), **CPU_ENV,
             "MAX_CONCURRENCY": str(max(plan.concurrency)),
             "VLLM_CONFIG_FILE": "/nonexistent/vllm_config.yaml",
-            "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json"}
+            "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json",
+            **({"DTYPE": plan.dtype} if plan.dtype else {})}
 
 
 def messages(i: int) -> list[dict[str, str]]:

@@ -178,7 +178,7 @@ def write(results: Results, out: Path, command: str, minutes: float, load_averag
         "alternately in the same run (A then B, then B then A, …); median, min and max over",
         f"{plan.reps} repetitions ({plan.tiny_load_reps} for the tiny model's loads). Streams:",
         f"{plan.max_tokens} output tokens each (ignore_eos, temperature 0), at",
-        f"{', '.join(map(str, plan.concurrency))} concurrent streams.",
+        f"{', '.join(map(str, plan.concurrency))} concurrent streams; models in {plan.dtype or 'their own dtype'}.",
         "Goals are checked on the median.",
         "",
         "## Machine",
