@@ -4,8 +4,9 @@ Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no mod
 (1: handler() ÷ AsyncLLM.generate), ``openai`` (2: worker ÷ vllm serve through the openai SDK,
 3: first request, 5: start-up), ``latency`` (6-9: job start, before and after the worker's job loop,
 on ``Plan.latency_model`` and the stub worker), ``start`` (10-12: start-up beside ``vllm serve``, the
-compile cache cold and warm, weight load formats, on ``Plan.latency_model``). The full run writes ``bench/RESULTS.md`` and its
-chart; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary folder instead.
+compile cache cold and warm, weight load formats, on ``Plan.latency_model``). A run writes its parts'
+sections of ``bench/RESULTS.md`` (keeping the other parts' sections) and their charts; ``--quick`` (tiny
+model, short streams, two repetitions) writes them to a temporary folder instead.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import time
 from pathlib import Path
 
 from bench import cold_start, common, handler_overhead, job_start, openai_path, report, stub_cost
+from bench.common import PARTS
 
-PARTS = ("stub", "engine", "openai", "latency", "start")
 
 
 def _parse() -> argparse.Namespace:
@@ -70,7 +71,7 @@ def main() -> None:
         _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
         cold_start.run(plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
-    path = report.write(results, out, command.strip(), (time.monotonic() - started) / 60,
+    path = report.write(results, out, parts, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))
     print(report.table(results))
     _progress(f"results written to {path}")

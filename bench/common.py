@@ -32,6 +32,17 @@ for _name, _value in CPU_ENV.items():
 
 MODELS_ROOT = REPO / ".cache" / "models"
 
+# The bench's parts (``--parts``): each one's title and the items (numbers of the benchmark issues) it
+# measures. RESULTS.md keeps a section per part, so a run of some parts leaves the others' as they were.
+PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
+         "engine": ("Handler overhead: handler() ÷ AsyncLLM.generate", (1,)),
+         "openai": ("OpenAI path: worker ÷ vllm serve (openai SDK), first request, start-up", (2, 3, 5)),
+         "latency": ("Job start: the job path ÷ vllm serve (vllm bench), slots, emulator cost", (6, 7, 8, 9)),
+         "start": ("Cold start: beside vllm serve, compile cache, weight loading", (10, 11, 12))}
+# The paths whose loads (tokens/s, TTFT) are charted, by the part that measures them.
+RAW_ENGINE, HANDLER, WORKER, VLLM_SERVE = "raw engine", "handler()", "worker", "vllm serve"
+LOAD_PATHS = {"engine": (RAW_ENGINE, HANDLER), "openai": (WORKER, VLLM_SERVE)}
+
 WARM_UP_TOKENS = 8  # a short load on each path before measuring: first-use costs are not measured
 
 # Distinct prompts of equal shape, so no stream rides on another's prefix cache.
@@ -174,7 +185,7 @@ class Results:
     job_path: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
     # Item 9: (worker, "before" | "after") → step → median ms
     decomposition: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
-    # What could not be measured, and why (item → reason)
+    # What could not be measured, and why (item → reason; the reason's key starts with the item's number)
     notes: dict[str, str] = field(default_factory=dict)
 
     def figure(self, item: str, model: str, name: str, unit: str = "",

@@ -12,7 +12,9 @@ import asyncio
 import uuid
 
 from bench.common import (
+    HANDLER,
     PROMPTS,
+    RAW_ENGINE,
     WARM_UP_TOKENS,
     Load,
     Plan,
@@ -23,8 +25,6 @@ from bench.common import (
     model_env,
     run_load,
 )
-
-RAW_ENGINE, HANDLER = "raw engine", "handler()"
 
 
 class EnginePaths:

@@ -17,10 +17,20 @@ from pathlib import Path
 
 import openai
 
-from bench.common import WARM_UP_TOKENS, Load, Plan, Results, Stream, ab, messages, model_env, run_load
+from bench.common import (
+    VLLM_SERVE,
+    WARM_UP_TOKENS,
+    WORKER,
+    Load,
+    Plan,
+    Results,
+    Stream,
+    ab,
+    messages,
+    model_env,
+    run_load,
+)
 from bench.servers import Endpoint, VllmServe
-
-WORKER, VLLM_SERVE = "worker", "vllm serve"
 
 
 def _client(base_url: str) -> openai.AsyncOpenAI:

@@ -1,23 +1,32 @@
-"""The results table (terminal and markdown), ``RESULTS.md`` with the machine it ran on, and the chart."""
+"""The results table (terminal and markdown), and ``RESULTS.md``: a section per part, each with the run,
+machine and code it came from, and its charts."""
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import subprocess
+from datetime import date
 from importlib import metadata
 from pathlib import Path
 
-from bench.common import REPO, Figure, Results
+from bench.common import LOAD_PATHS, PARTS, REPO, Figure, Plan, Results
 
-CHART = "throughput.png"
+CHARTS = {"engine": "engine.png", "openai": "throughput.png"}  # each part's chart of its LOAD_PATHS
 LATENCY_CHART = "job_start.png"
-PATHS = ("raw engine", "worker", "vllm serve")  # the chart's lines (see handler_overhead, openai_path)
 # Medians measured earlier on this kind of machine (openai SDK client, SmolLM2-135M), for comparison.
 ANCHORS = {("raw engine", 1): 32, ("raw engine", 16): 349, ("raw engine", 64): 536,
            ("vllm serve", 1): 31, ("vllm serve", 16): 311, ("vllm serve", 64): 439}
 HEADER = ("item", "model", "figure", "median", "min", "max", "goal", "met")
+INTRO = ["# Benchmark results", "",
+         "Written by `scripts/bench.sh`: one section per part of the bench (`--parts`). A run writes the",
+         "sections of the parts it ran and keeps the others, so each section names the run, machine and",
+         "code it came from. Every ratio is of two things measured alternately in the same run (A then B,",
+         "then B then A, …); median, min and max over repetitions. Goals are checked on the median.", ""]
+SECTION_START, SECTION_END = "<!-- part {} -->", "<!-- end of part {} -->"
+SECTION = re.compile(r"<!-- part (\w+) -->\n.*?<!-- end of part \1 -->", re.DOTALL)
 
 
 def _number(value: float, unit: str) -> str:
@@ -102,14 +111,14 @@ def latency_chart(results: Results, path: Path) -> None:
 
 
 def _latency_sections(results: Results, out: Path) -> list[str]:
-    """Items 6 and 9's sections (and chart), when the ``latency`` part ran."""
+    """Items 6 and 9's tables (and chart)."""
     if not results.decomposition:
         return []
     latency_chart(results, out / LATENCY_CHART)
-    return ["## Job path through vllm bench: medians per path", "",
+    return ["### Job path through vllm bench: medians per path", "",
             "`vllm.benchmarks.serve` (random dataset, openai-chat); worker after = JobLoop, before =",
             "the runpod SDK's loop (`JOB_LOOP=sdk`).", "", _job_path_table(results), "",
-            "## Job start: where the time goes", "",
+            "### Job start: where the time goes", "",
             "Sequential streamed chats at concurrency 1; `time.time()` stamps in the client, the endpoint",
             "(`bench/trace_endpoint.py`) and the worker (`bench/trace_worker.py`). Before = the runpod",
             "SDK's loop (`JOB_LOOP=sdk`), after = JobLoop. Medians of each step do not add up exactly to the",
@@ -131,20 +140,20 @@ def _machine() -> list[str]:
             f"- code: git {commit}"]
 
 
-def chart(results: Results, path: Path) -> None:
-    """Tokens/s and time to first token against concurrency, one row of plots per model."""
+def chart(results: Results, paths: tuple[str, ...], path: Path) -> None:
+    """Tokens/s and time to first token of ``paths`` against concurrency, one row of plots per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(model for model, _, _ in results.loads))
+    models = list(dict.fromkeys(model for model, name, _ in results.loads if name in paths))
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
     for row, model in zip(axes, models, strict=True):
         for ax, (label, value) in zip(row, (("output tokens/s", lambda load: load.tokens_per_s),
                                             ("time to first token (ms)", lambda load: load.ttft * 1000)),
                                       strict=True):
-            for name in PATHS:
+            for name in paths:
                 points = sorted((n, [value(load) for load in loads])
                                 for (m, p, n), loads in results.loads.items() if (m, p) == (model, name))
                 if not points:
@@ -159,44 +168,68 @@ def chart(results: Results, path: Path) -> None:
             ax.set(xlabel="concurrent streams", ylabel=label, title=f"{model}: {label}")
             ax.grid(True, alpha=0.3)
             ax.legend()
-    fig.suptitle("Medians over repetitions (bars: min–max); worker and vllm serve via the openai SDK")
+    fig.suptitle(f"Medians over repetitions (bars: min–max): {', '.join(paths)}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def write(results: Results, out: Path, command: str, minutes: float, load_averages: tuple) -> Path:
-    """RESULTS.md (and the chart beside it) in ``out``; returns the RESULTS.md path."""
+def _item_number(item: str) -> int:
+    """A figure's item, or a note's key: both start with the item's number ("11 compile cache, …")."""
+    return int(item.split()[0].rstrip(",:"))
+
+
+def _part_results(results: Results, part: str) -> Results:
+    """What ``part`` measured: its items' figures and notes, its paths' loads, its tables."""
+    items = PARTS[part][1]
+    return Results(results.plan,
+                   figures=[fig for fig in results.figures if _item_number(fig.item) in items],
+                   loads={key: loads for key, loads in results.loads.items()
+                          if key[1] in LOAD_PATHS.get(part, ())},
+                   job_path=results.job_path if part == "latency" else {},
+                   decomposition=results.decomposition if part == "latency" else {},
+                   notes={key: note for key, note in results.notes.items() if _item_number(key) in items})
+
+
+def _plan_line(plan: Plan) -> str:
+    return (f"{plan.reps} repetitions ({plan.tiny_load_reps} for the tiny model's loads); streams of "
+            f"{plan.max_tokens} output tokens (ignore_eos, temperature 0) at "
+            f"{', '.join(map(str, plan.concurrency))} concurrent streams; models in "
+            f"{plan.dtype or 'their own dtype (bfloat16)'}.")
+
+
+def _section(part: str, results: Results, out: Path, run: list[str]) -> str:
+    """One part's section of RESULTS.md, between markers that a later run finds it by."""
+    mine = _part_results(results, part)
+    charted = []
+    if mine.loads:
+        chart(mine, LOAD_PATHS[part], out / CHARTS[part])
+        charted = [f"![tokens/s and time to first token against concurrency]({CHARTS[part]})", "",
+                   "### Medians per path", "", _loads_table(mine), ""]
+    lines = [SECTION_START.format(part), f"## {PARTS[part][0]}", "", *run,
+             "", _markdown(HEADER, _rows(mine)), "", *charted, *_latency_sections(mine, out),
+             *(["### Notes", "", *(f"- {key}: {note}" for key, note in mine.notes.items()), ""]
+               if mine.notes else []),
+             SECTION_END.format(part)]
+    return "\n".join(lines)
+
+
+def _kept_sections(path: Path) -> dict[str, str]:
+    """The sections of an earlier RESULTS.md, by part."""
+    text = path.read_text() if path.exists() else ""
+    return {match[1]: match[0] for match in SECTION.finditer(text)}
+
+
+def write(results: Results, out: Path, parts: list[str], command: str, minutes: float,
+          load_averages: tuple) -> Path:
+    """RESULTS.md (and the charts beside it) in ``out``: the sections of ``parts`` written anew, the
+    other parts' sections kept as an earlier run wrote them; returns the RESULTS.md path."""
     out.mkdir(parents=True, exist_ok=True)
-    if results.loads:
-        chart(results, out / CHART)
-    plan = results.plan
-    text = "\n".join([
-        "# Benchmark results",
-        "",
-        f"Written by `{command}` in {minutes:.1f} minutes. Every ratio is of two things measured",
-        "alternately in the same run (A then B, then B then A, …); median, min and max over",
-        f"{plan.reps} repetitions ({plan.tiny_load_reps} for the tiny model's loads). Streams:",
-        f"{plan.max_tokens} output tokens each (ignore_eos, temperature 0), at",
-        f"{', '.join(map(str, plan.concurrency))} concurrent streams; models in {plan.dtype or 'their own dtype'}.",
-        "Goals are checked on the median.",
-        "",
-        "## Machine",
-        "",
-        *_machine(),
-        f"- load average (1 min) at start {load_averages[0]:.2f}, at end {load_averages[1]:.2f}: other",
-        "  processes (such as a test run) may have been running; the ratios are what to read",
-        "",
-        "## Results",
-        "",
-        _markdown(HEADER, _rows(results)),
-        "",
-        *([f"![tokens/s and time to first token against concurrency]({CHART})", "",
-           "## Medians per path", "", _loads_table(results), ""] if results.loads else []),
-        *_latency_sections(results, out),
-        *(["## Notes", "", *(f"- {item}: {reason}" for item, reason in results.notes.items()), ""]
-          if results.notes else []),
-    ])
     path = out / "RESULTS.md"
-    path.write_text(text)
+    run = [f"Written by `{command}` in {minutes:.1f} minutes, on {date.today().isoformat()}: "
+           + _plan_line(results.plan), "", *_machine(),
+           f"- load average (1 min) at start {load_averages[0]:.2f}, at end {load_averages[1]:.2f}: other",
+           "  processes (such as a test run) may have been running; the ratios are what to read"]
+    sections = _kept_sections(path) | {part: _section(part, results, out, run) for part in parts}
+    path.write_text("\n".join([*INTRO, *(sections[part] + "\n" for part in PARTS if part in sections)]))
     return path
