@@ -2,7 +2,9 @@
 
 10. Side by side: the worker, from its process's start to its first call for work (under the local
     endpoint), and ``vllm serve``, from its process's start to ``/health`` answering; same model and
-    engine flags, started in turn (ABBA…).
+    engine flags, started in turn (ABBA…). Each side's start is split at the same lines of vLLM's
+    log (time stamps to the millisecond, VLLM_LOGGING_CONFIG_PATH): vLLM configured, the engine's
+    process started, the engine core ready; then the rest up to ready.
 11. The compile cache: a worker with torch.compile on (no ``ENFORCE_EAGER``, no
     ``TORCH_COMPILE_DISABLE``), each start on a fresh container disk (its own ``XDG_CACHE_HOME`` and
     ``TMPDIR``), with a network volume (``BASE_PATH``) that is empty (cold) or holds what the cold
@@ -14,9 +16,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 from bench.common import Plan, Results, ab, model_env
@@ -51,23 +55,56 @@ def _worker(env: dict[str, str], log_path: Path) -> Endpoint:
     return endpoint
 
 
-def _serve(env: dict[str, str], log_path: Path) -> float:
-    serve = VllmServe(env, log_path)
-    serve.stop()
-    return serve.start_up
-
-
 def side_by_side(model: str, plan: Plan, logs: Path, results: Results) -> None:
-    """Item 10."""
-    env = model_env(model, plan)
+    """Item 10, with each side's start split at the same milestones of vLLM's own log."""
+    env = {**model_env(model, plan), "VLLM_LOGGING_CONFIG_PATH": str(_millisecond_logging(logs))}
     item = "10 start-up side by side"
     for rep in range(plan.reps):
-        worker, serve = ab(rep, lambda: _worker(env, logs / f"worker-{rep}.log").start_up.total,
-                           lambda: _serve(env, logs / f"serve-{rep}.log"))
-        results.figure(item, model, "worker: process start → taking jobs", "s").values.append(worker)
-        results.figure(item, model, "vllm serve: process start → /health", "s").values.append(serve)
+        worker, serve = ab(rep, lambda: _worker(env, logs / f"worker-{rep}.log"),
+                           lambda: VllmServe(env, logs / f"serve-{rep}.log"))
+        serve.stop()
+        for side, server, total in (("worker", worker, worker.start_up.total),
+                                    ("vllm serve", serve, serve.start_up)):
+            results.figure(item, model, f"{side}: process start → {READY[side]}", "s").values.append(total)
+            for name, seconds in _segments(server, total).items():
+                results.figure(item, model, f"{side}: {name}", "s").values.append(seconds)
         results.figure(item, model, "start-up worker ÷ vllm serve", goal=("≤", 1.0)).values.append(
-            worker / serve)
+            worker.start_up.total / serve.start_up)
+
+
+READY = {"worker": "taking jobs", "vllm serve": "/health"}
+# vLLM's log lines that split a start, the same on both sides: the main process has vLLM's
+# configuration, the engine's process has started (and imported vLLM), the engine core is ready.
+MILESTONES = (("imports and configuration", re.compile(r"Resolved architecture")),
+              ("engine process start", re.compile(r"Initializing a V1 LLM engine")),
+              ("engine core (load, profile, KV cache)", INIT_ENGINE))
+LOGGED_AT = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}")
+
+
+def _millisecond_logging(logs: Path) -> Path:
+    """A vLLM logging configuration (VLLM_LOGGING_CONFIG_PATH) whose time stamps have milliseconds."""
+    path = logs / "vllm-logging.json"
+    path.write_text(json.dumps({
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"ms": {"format": "(%(vllm_process_name)s pid=%(process)d) %(levelname)s "
+                                        "%(asctime)s [%(filename)s:%(lineno)d] %(message)s"}},
+        "handlers": {"out": {"class": "logging.StreamHandler", "formatter": "ms",
+                             "stream": "ext://sys.stdout"}},
+        "loggers": {"vllm": {"handlers": ["out"], "level": "INFO", "propagate": False}}}))
+    return path
+
+
+def _segments(server, total: float) -> dict[str, float]:
+    """Seconds between the process's start, each milestone and being ready."""
+    lines = server.log().splitlines()
+    marks = []
+    for _, pattern in MILESTONES:
+        line = next(line for line in lines if pattern.search(line))
+        marks.append(datetime.strptime(LOGGED_AT.search(line)[0], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+    started = server.started
+    points = [started, *marks, started + total]
+    names = [name for name, _ in MILESTONES] + ["after the engine core (app, warm-up, ready)"]
+    return {name: b - a for name, a, b in zip(names, points, points[1:], strict=True)}
 
 
 def compile_cache(model: str, plan: Plan, logs: Path, results: Results) -> None:

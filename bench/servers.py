@@ -121,7 +121,8 @@ class VllmServe(Server):
         response = self.get(f"http://127.0.0.1:{self.port}/health")
         if response is None or response.status_code != 200:
             return False
-        self.start_up = time.time() - _process_start(self.proc.pid)  # process start → /health
+        self.started = _process_start(self.proc.pid)
+        self.start_up = time.time() - self.started  # process start → /health
         return True
 
 
@@ -163,7 +164,7 @@ class Endpoint(Server):
             raise RuntimeError("no 'Worker ready' line with start-up phases in the worker's log")
         ready = datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
         phases = {name: float(seconds) for name, seconds in re.findall(r"(\w+)=([\d.]+)s", match[2])}
-        started = _process_start(_worker_pid(self.proc.pid))
+        self.started = started = _process_start(_worker_pid(self.proc.pid))
         return StartUp(total=taking_jobs - started, python=ready - started - sum(phases.values()),
                        phases=phases, sdk=taking_jobs - ready)
 

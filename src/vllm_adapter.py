@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import importlib
 import logging
+import os
 import re
+from pathlib import Path
 
 import msgspec
 import pydantic
@@ -133,7 +135,8 @@ def engine_config_message(exc: BaseException) -> str:
 
 # Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends
 # on (compile_cache.py): torch.compile's graphs and kernels (Inductor's and Triton's caches are
-# redirected into them), AOT-compiled functions, the memory-profiling plan
+# redirected into them; on the CPU, Inductor's cache is an entry itself: _cpu_compile_cache),
+# AOT-compiled functions, the memory-profiling plan
 # (VLLM_ENABLE_STARTUP_PLAN) and the model registry's inspection results.
 CACHE_ENTRY_DIRS = ("torch_compile_cache", "torch_compile_cache/torch_aot_compile", "startup_plan",
                     "modelinfos")
@@ -150,8 +153,32 @@ def compiles(vllm_config: VllmConfig) -> bool:
     return vllm_config.compilation_config.mode != CompilationMode.NONE and not torch._dynamo.config.disable
 
 
+# Of the variables _cpu_compile_cache sets, those the user set (before the worker touched any).
+_USERS_COMPILE_ENV = frozenset(name for name in ("VLLM_USE_AOT_COMPILE", "TORCHINDUCTOR_CACHE_DIR")
+                               if name in os.environ)
+
+
+def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
+    """Makes the CPU build's compiled kernels an entry of vLLM's cache root.
+
+    vLLM's CPU build compiles with plain Inductor (``DYNAMO_TRACE_ONCE``), so its AOT entry holds a
+    bare function that vLLM (0.32, 0.33) fails to load ("'function' object has no attribute
+    'finalize_loading'") and compiles again on every start. Without AOT, Inductor's own cache makes
+    a warm start fast, but it lives in ``/tmp/torchinductor_<user>``: it is moved into an entry
+    named by the configuration's hash, which compile_cache.py then mirrors like vLLM's own. The
+    engine's process inherits both variables; a user's own value of either is kept."""
+    if not (current_platform.is_cpu() and compiles(vllm_config)) or vllm.envs.VLLM_DISABLE_COMPILE_CACHE:
+        return
+    entry = Path(cache_root(), "torch_compile_cache", f"inductor-{vllm_config.compute_hash()[:16]}")
+    for name, value in (("VLLM_USE_AOT_COMPILE", "0"), ("TORCHINDUCTOR_CACHE_DIR", str(entry))):
+        if name not in _USERS_COMPILE_ENV:
+            os.environ[name] = value  # per engine: a later engine in this process has its own entry
+
+
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs) -> AsyncLLM:
-    """AsyncLLM as `vllm serve` builds it, from the configuration made by ``create_engine_config``."""
+    """AsyncLLM as `vllm serve` builds it, from the configuration made by ``create_engine_config``
+    (on the CPU, with its compiled kernels kept as a cache entry)."""
+    _cpu_compile_cache(vllm_config)
     return AsyncLLM.from_vllm_config(
         vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,

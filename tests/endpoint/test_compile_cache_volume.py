@@ -63,7 +63,8 @@ def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_
             endpoint.stop()
     shared = volume / VOLUME_CACHE_DIR
     on_volume = entries(shared, CACHE_ENTRY_DIRS)
-    assert any(name.startswith("torch_compile_cache/") for name in on_volume), on_volume
+    # On the CPU, Inductor's compiled kernels are an entry of their own (vllm_adapter._cpu_compile_cache).
+    assert any(name.startswith("torch_compile_cache/inductor-") for name in on_volume), on_volume
     assert published == len(on_volume)  # each entry published once: the other copy lost the race
     assert not [p for p in shared.rglob(f"{TMP_PREFIX}*")]
     local = [disk / "vllm" for disk in disks[:2]]
@@ -80,4 +81,4 @@ def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_
     finally:
         third.stop()
     assert f"Compile cache: {len(on_volume)} entries copied from {shared}" in log
-    assert re.search(r"Worker ready: .*; compile cache (warm|cold \(\d+ entries written\))$", log, re.MULTILINE)
+    assert re.search(r"Worker ready: .*; compile cache warm$", log, re.MULTILINE), log[-3000:]
