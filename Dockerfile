@@ -39,7 +39,7 @@ ARG QUANTIZATION=""
 # DL3064 reads "TOKEN" in these names as a secret; they name a tokenizer repo and its revision.
 # hadolint ignore=DL3064
 ARG TOKENIZER_NAME="" TOKENIZER_REVISION=""
-COPY src/download_model.py /src/download_model.py
+COPY src/download_model.py src/baked_args.py /src/
 RUN --mount=type=secret,id=HF_TOKEN \
     HF_TOKEN_PATH=/run/secrets/HF_TOKEN HF_HOME=/tmp/hf-home python3 /src/download_model.py \
     && rm -rf /tmp/hf-home

@@ -7,28 +7,19 @@ tests do, before anything imports vLLM, and puts ``src/`` on the import path.
 from __future__ import annotations
 
 import asyncio
-import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from dotenv import dotenv_values
-
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-
-CPU_ENV = {**dotenv_values(REPO / "scripts" / "cpu-dev.env"),
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="bench-vllm-rpc-"),
-           "DISABLE_LOG_STATS": "true"}
-for _name, _value in CPU_ENV.items():
-    os.environ.setdefault(_name, _value)
+sys.path[:0] = [str(REPO / "src"), str(REPO / "scripts")]
+from dev_env import CPU_ENV  # noqa: E402 - sets the CPU settings in this process, as the tests do
 
 MODELS_ROOT = REPO / ".cache" / "models"
 

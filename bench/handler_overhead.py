@@ -11,20 +11,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-from bench.common import (
-    HANDLER,
-    PROMPTS,
-    RAW_ENGINE,
-    WARM_UP_TOKENS,
-    Load,
-    Plan,
-    Results,
-    Stream,
-    ab,
-    messages,
-    model_env,
-    run_load,
-)
+from bench.common import (HANDLER, PROMPTS, RAW_ENGINE, WARM_UP_TOKENS, Load, Plan, Results, Stream, ab,
+                          messages, model_env, run_load)
 
 
 class EnginePaths:

@@ -17,19 +17,8 @@ from pathlib import Path
 
 import openai
 
-from bench.common import (
-    VLLM_SERVE,
-    WARM_UP_TOKENS,
-    WORKER,
-    Load,
-    Plan,
-    Results,
-    Stream,
-    ab,
-    messages,
-    model_env,
-    run_load,
-)
+from bench.common import (VLLM_SERVE, WARM_UP_TOKENS, WORKER, Load, Plan, Results, Stream, ab, messages,
+                          model_env, run_load)
 from bench.servers import Endpoint, VllmServe
 
 

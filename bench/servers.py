@@ -16,7 +16,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,17 +26,12 @@ from pathlib import Path
 import httpx
 
 from bench.common import REPO
+from dev_env import free_port
 
 START_TIMEOUT = 600
 POLL_SECONDS = 0.05
 # The worker's start-up line: "... INFO handler: Worker ready: ...; start-up imports=1.23s config=..."
 READY_LINE = re.compile(r"^(\S+ \S+) INFO handler: Worker ready: .*start-up (.*)$", re.MULTILINE)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -99,22 +93,14 @@ def _session_alive(sid: int) -> bool:
     return False
 
 
-def serve_argv(env: dict[str, str]) -> list[str]:
-    """`vllm serve` flags equal to the worker's resolved configuration (as the parity test builds them)."""
-    from engine_args import ZERO_MEANS_UNSET, resolve_args
-
-    resolved = resolve_args(env)
-    return [token for setting in resolved.settings.values()
-            if not (setting.dest in ZERO_MEANS_UNSET and getattr(resolved.namespace, setting.dest) is None)
-            for token in setting.tokens]
-
-
 class VllmServe(Server):
     what = "vllm serve"
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        from engine_args import resolve_args  # vLLM's parser: imported only when a bench needs it
+
         super().__init__([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
-                          *serve_argv(env), "--host", "127.0.0.1"], env, log_path)
+                          *resolve_args(env).serve_argv(), "--host", "127.0.0.1"], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def _ready(self) -> bool:

@@ -102,12 +102,9 @@ def _stub_engines(raw_openai_output: bool):
     from settings import load_settings
 
     settings = load_settings({"RAW_OPENAI_OUTPUT": str(raw_openai_output).lower()})
-    engine = object.__new__(vLLMEngine)
-    engine.settings, engine.llm, engine.loop = settings, StubLLM(), BackgroundLoop("bench-stub")
-    engine.tokenizer = types.SimpleNamespace(encode=lambda text, add_special_tokens: [0] * 16)
-    served = object.__new__(OpenAIvLLMEngine)
-    served.engine, served.settings, served.app = engine, settings, StubApp()
-    served.routes = RouteTable([Route(CHAT_ROUTE, frozenset({"POST"}))])
+    tokenizer = types.SimpleNamespace(encode=lambda text, add_special_tokens: [0] * 16)
+    engine = vLLMEngine.from_parts(settings, StubLLM(), BackgroundLoop("bench-stub"), tokenizer=tokenizer)
+    served = OpenAIvLLMEngine.from_parts(engine, StubApp(), RouteTable([Route(CHAT_ROUTE, frozenset({"POST"}))]))
     return engine, served
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from error_types import anthropic_status, anthropic_type, is_anthropic_route, openai_type
+from sse import frame
 
 from .jobs import Job, JobStore, Status
 
@@ -75,7 +76,7 @@ def _sse(chunk: Any) -> str:
     if isinstance(chunk, str):
         return chunk
     objects = chunk if isinstance(chunk, list) else [chunk]
-    return "".join(f"data: {json.dumps(obj)}\n\n" for obj in objects)
+    return "".join(map(frame, objects))
 
 
 class Endpoint:
@@ -195,7 +196,7 @@ class Endpoint:
                 if job.final:
                     break
             if job.status is Status.FAILED:
-                await response.write(f"data: {json.dumps({'error': job.error})}\n\n".encode())
+                await response.write(frame({"error": job.error}).encode())
             await response.write_eof()
         except ConnectionResetError:  # the client left; the caller stops the job
             pass
@@ -238,7 +239,6 @@ def create_app(config: EndpointConfig | None = None, store: JobStore | None = No
     config = config or EndpointConfig()
     endpoint = Endpoint(config, store or JobStore())
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[endpoint.authenticate])
-    app["store"] = endpoint.store
     base = f"/v2/{config.endpoint_id}"
     app.add_routes([
         web.post(f"{base}/run", endpoint.run),

@@ -99,14 +99,28 @@ def _byte_bpe(vocab_size: int, specials: list[str]):
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=specials,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
     return tk
+
+
+def _fast_tokenizer(tk, eos: str = "<|eos|>"):
+    """A transformers tokenizer around ``tk``, with the tiny models' special tokens."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<|bos|>", eos_token=eos,
+                                   pad_token="<|pad|>", model_max_length=2048)
+
+
+def _tiny_llama_config(vocab_size: int, bos: int, eos: int, pad: int, **more):
+    """The tiny models' text model: Llama, 2 layers, hidden 256, 4 heads (2 for keys and values)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                       bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, tie_word_embeddings=False,
+                       **more)
 
 
 @_atomic
@@ -114,12 +128,7 @@ def build_tiny(out: Path) -> None:
     """A random-weight Llama (2 layers, hidden 256) with a ChatML template; gibberish output."""
     import torch
     from tokenizers import processors
-    from transformers import (
-        GenerationConfig,
-        LlamaConfig,
-        LlamaForCausalLM,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GenerationConfig, LlamaForCausalLM
 
     tk = _byte_bpe(2048, ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"])
     # Like Llama: plain encodes start with BOS (chat prompts get it from the template instead).
@@ -128,29 +137,11 @@ def build_tiny(out: Path) -> None:
         pair="<|bos|> $A <|bos|> $B",
         special_tokens=[("<|bos|>", tk.token_to_id("<|bos|>"))],
     )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        model_max_length=2048,
-    )
+    tok = _fast_tokenizer(tk)
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(out)
 
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
-    )
+    config = _tiny_llama_config(len(tok), tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
     GenerationConfig(
@@ -184,11 +175,8 @@ def build_smollm2(out: Path) -> None:
     model.save_pretrained(out)
     tok.model_max_length = config.max_position_embeddings  # the GGUF leaves it unbounded
     tok.save_pretrained(out)
-    GenerationConfig(
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=[tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
-    ).save_pretrained(out)
+    GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=[tok.eos_token_id],
+                     pad_token_id=tok.pad_token_id).save_pretrained(out)
 
 
 @_atomic
@@ -207,7 +195,7 @@ def _write_sequence_classifier(out: Path, labels: list[str] | None) -> None:
     """
     import torch
     from tokenizers import processors
-    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import LlamaForSequenceClassification
 
     tk = _byte_bpe(2048, ["<|bos|>", "<|eos|>", "<|pad|>"])
     bos, eos = tk.token_to_id("<|bos|>"), tk.token_to_id("<|eos|>")
@@ -217,28 +205,12 @@ def _write_sequence_classifier(out: Path, labels: list[str] | None) -> None:
         pair="<|bos|> $A <|eos|> $B:1 <|eos|>:1",
         special_tokens=[("<|bos|>", bos), ("<|eos|>", eos)],
     )
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk,
-        bos_token="<|bos|>",
-        eos_token="<|eos|>",
-        pad_token="<|pad|>",
-        model_max_length=2048,
-    )
+    tok = _fast_tokenizer(tk)
     tok.save_pretrained(out)
 
     names = labels or ["LABEL_0"]
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=tok.pad_token_id,
-        tie_word_embeddings=False,
+    config = _tiny_llama_config(
+        len(tok), bos, eos, tok.pad_token_id,
         num_labels=len(names),
         id2label=dict(enumerate(names)),
         label2id={name: i for i, name in enumerate(names)},
@@ -283,14 +255,8 @@ def build_whisper(out: Path) -> None:
     import json
 
     import torch
-    from transformers import (
-        GenerationConfig,
-        WhisperConfig,
-        WhisperFeatureExtractor,
-        WhisperForConditionalGeneration,
-        WhisperProcessor,
-        WhisperTokenizer,
-    )
+    from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
+                              WhisperForConditionalGeneration, WhisperProcessor, WhisperTokenizer)
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     bpe = json.loads(_byte_bpe(1000, ["<|endoftext|>"]).to_str())["model"]
@@ -308,25 +274,11 @@ def build_whisper(out: Path) -> None:
 
     eot, sot = tok.convert_tokens_to_ids(["<|endoftext|>", "<|startoftranscript|>"])
     config = WhisperConfig(
-        vocab_size=len(tok),
-        num_mel_bins=80,
-        d_model=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=1,
-        decoder_attention_heads=1,
-        encoder_ffn_dim=128,
-        decoder_ffn_dim=128,
-        max_source_positions=1500,
-        max_target_positions=128,
-        pad_token_id=eot,
-        bos_token_id=eot,
-        eos_token_id=eot,
-        decoder_start_token_id=sot,
-        suppress_tokens=[],
-        begin_suppress_tokens=[],
-        tie_word_embeddings=True,
-    )
+        vocab_size=len(tok), num_mel_bins=80, d_model=64, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=1, decoder_attention_heads=1, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        max_source_positions=1500, max_target_positions=128, pad_token_id=eot, bos_token_id=eot,
+        eos_token_id=eot, decoder_start_token_id=sot, suppress_tokens=[], begin_suppress_tokens=[],
+        tie_word_embeddings=True)
     torch.manual_seed(0)
     model = WhisperForConditionalGeneration(config).eval()
     # Zero the (tied) embedding rows from <|startoftranscript|> on (languages, tasks, timestamps):
@@ -371,70 +323,30 @@ def build_vlm(out: Path) -> None:
     global image, at most 20 <image> tokens with their tags.
     """
     import torch
-    from transformers import (
-        GenerationConfig,
-        Idefics3Config,
-        Idefics3ForConditionalGeneration,
-        Idefics3Processor,
-        Idefics3VisionConfig,
-        LlamaConfig,
-        PreTrainedTokenizerFast,
-    )
-    from transformers.models.idefics3.image_processing_pil_idefics3 import (
-        Idefics3ImageProcessorPil,
-    )
+    from transformers import (GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration,
+                              Idefics3Processor, Idefics3VisionConfig)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
     grid = [f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7)]
     specials = ["<|bos|>", "<end_of_utterance>", "<|pad|>", "<fake_token_around_image>",
                 "<image>", "<global-img>", *grid]
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=_byte_bpe(2048, specials),
-        bos_token="<|bos|>",
-        eos_token="<end_of_utterance>",
-        pad_token="<|pad|>",
-        model_max_length=2048,
-    )
+    tok = _fast_tokenizer(_byte_bpe(2048, specials), eos="<end_of_utterance>")
     tok.chat_template = VLM_CHAT_TEMPLATE
 
     image_size, patch, scale = 32, 8, 2
-    images = Idefics3ImageProcessorPil(
-        size={"longest_edge": 2 * image_size},
-        max_image_size={"longest_edge": image_size},
-        do_image_splitting=True,
-    )
-    processor = Idefics3Processor(
-        image_processor=images,
-        tokenizer=tok,
-        image_seq_len=(image_size // patch) ** 2 // scale**2,
-        chat_template=VLM_CHAT_TEMPLATE,
-    )
+    images = Idefics3ImageProcessorPil(size={"longest_edge": 2 * image_size},
+                                       max_image_size={"longest_edge": image_size}, do_image_splitting=True)
+    processor = Idefics3Processor(image_processor=images, tokenizer=tok, chat_template=VLM_CHAT_TEMPLATE,
+                                  image_seq_len=(image_size // patch) ** 2 // scale**2)
     processor.save_pretrained(out)
     tok.save_pretrained(out)  # the chat template in tokenizer_config.json too
 
     bos, eos, pad, image = tok.convert_tokens_to_ids(
         ["<|bos|>", "<end_of_utterance>", "<|pad|>", "<image>"]
     )
-    vision = Idefics3VisionConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        image_size=image_size,
-        patch_size=patch,
-    )
-    text = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        tie_word_embeddings=False,
-    )
+    vision = Idefics3VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=1, image_size=image_size, patch_size=patch)
+    text = _tiny_llama_config(len(tok), bos, eos, pad)
     config = Idefics3Config(
         vision_config=vision.to_dict(),
         text_config=text.to_dict(),

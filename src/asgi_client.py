@@ -14,11 +14,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sse import event_ends
+
 __all__ = ["Response", "request"]
 
 # How long the app gets to wind down (abort its engine request) after the client goes away.
 _DRAIN_SECONDS = 5.0
-_EVENT_END = b"\n\n"  # the blank line that ends a server-sent event
 
 
 class _Channel:
@@ -45,7 +46,7 @@ class _Channel:
         if kind == "http.response.body":  # once per SSE event: kept lean
             if body := message.get("body"):
                 self.chunks.append(body)
-                self.events += body.count(_EVENT_END) + (self._tail + body[:1] == _EVENT_END)
+                self.events += event_ends(body, self._tail)
                 self._tail = body[-1:]
             if not message.get("more_body", False):
                 self.ended = True

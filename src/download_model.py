@@ -11,9 +11,8 @@ From each repo it downloads the config and tokenizer files and exactly one weigh
 ``*.safetensors``, else ``*.bin``, else ``*.pt``; no training state), with progress bars, into
 ``BAKED_MODELS_DIR`` (default ``/models``; not under ``BASE_PATH``, where a network volume is
 mounted at run time and would hide it). Then it writes ``LOCAL_MODEL_ARGS_FILE`` (default
-``/local_model_args.json``), the file the worker's config layer reads (``engine_args.py``): the local
-snapshot paths as ``MODEL_NAME`` / ``TOKENIZER_NAME``, the repos they came from as
-``BAKED_MODEL_NAME`` / ``BAKED_TOKENIZER_NAME``, and ``QUANTIZATION``. Revisions are not written: a
+``/local_model_args.json``), the file the worker's config layer reads (``baked_args.py``: the local
+snapshot paths, the repos they came from, and ``QUANTIZATION``). Revisions are not written: a
 snapshot path is one revision already, and a revision there would also apply to any other model
 named at run time.
 
@@ -25,7 +24,6 @@ The Hugging Face token comes from huggingface_hub's usual sources: ``HF_TOKEN``,
 from __future__ import annotations
 
 import fnmatch
-import json
 import logging
 import os
 import sys
@@ -43,10 +41,11 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+import baked_args
+
 log = logging.getLogger("download_model")
 
 DEFAULT_MODELS_DIR = "/models"
-DEFAULT_ARGS_FILE = "/local_model_args.json"
 
 # One weight format per repo, in vLLM's order of preference; only top-level files are weights
 # (sub-folders hold other variants, e.g. `original/` checkpoints or ONNX exports).
@@ -152,18 +151,15 @@ def bake(env: Mapping[str, str]) -> dict[str, str] | None:
         return None
     cache_dir = Path(_setting(env, "BAKED_MODELS_DIR") or DEFAULT_MODELS_DIR)
     revision = _setting(env, "MODEL_REVISION")
-    baked = {"MODEL_NAME": str(fetch(model, revision, cache_dir, weights=True).path),
-             "BAKED_MODEL_NAME": model}
+    local_model = fetch(model, revision, cache_dir, weights=True).path
     tokenizer = _setting(env, "TOKENIZER_NAME") or model
     tokenizer_revision = _setting(env, "TOKENIZER_REVISION") or revision
+    other_tokenizer = None
     if (tokenizer, tokenizer_revision) != (model, revision):  # else the model's own files serve
-        snapshot = fetch(tokenizer, tokenizer_revision, cache_dir, weights=False)
-        baked |= {"TOKENIZER_NAME": str(snapshot.path), "BAKED_TOKENIZER_NAME": tokenizer}
-    if quantization := _setting(env, "QUANTIZATION"):
-        baked["QUANTIZATION"] = quantization
-    args_file = Path(_setting(env, "LOCAL_MODEL_ARGS_FILE") or DEFAULT_ARGS_FILE)
-    args_file.write_text(json.dumps(baked, indent=2) + "\n")
-    log.info("Wrote %s: %s", args_file, baked)
+        other_tokenizer = tokenizer, fetch(tokenizer, tokenizer_revision, cache_dir, weights=False).path
+    path = baked_args.args_file(env)
+    baked = baked_args.write(path, model, local_model, other_tokenizer, _setting(env, "QUANTIZATION"))
+    log.info("Wrote %s: %s", path, baked)
     return baked
 
 

@@ -18,9 +18,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from batching import BatchSize, batched
+from batching import batched, job_batch_size
 from event_loop import BackgroundLoop
 from job_input import JobInput
 from sampling import build_sampling_params
@@ -37,9 +37,12 @@ from vllm_adapter import (
     start_engine,
 )
 
+if TYPE_CHECKING:
+    from engine_args import ResolvedArgs
+
 log = logging.getLogger(__name__)
 
-__all__ = ["job_batch_size", "vLLMEngine"]
+__all__ = ["vLLMEngine"]
 
 # Prompts shorter than this are tokenized on the engine's loop (at most about half a millisecond
 # with a fast tokenizer), where a hop to a thread would cost more than the work.
@@ -59,13 +62,6 @@ def _logprobs(completion: Any) -> list[dict[str, Any]]:
     return entries
 
 
-def job_batch_size(job: JobInput, settings: WorkerSettings) -> BatchSize:
-    """Stream batching for one job: the worker's settings, overridden by the job's own."""
-    return BatchSize(job.max_batch_size or settings.default_batch_size,
-                     job.min_batch_size or settings.min_batch_size,
-                     job.batch_size_growth_factor or settings.batch_size_growth_factor)
-
-
 def _new_tokens(output: RequestOutput) -> int:
     """A delta output's new tokens, the unit of raw stream batches (once per engine step)."""
     completions = output.outputs
@@ -74,28 +70,44 @@ def _new_tokens(output: RequestOutput) -> int:
     return sum(len(completion.token_ids) for completion in completions)
 
 
+async def _start(args: ResolvedArgs) -> AsyncLLM:
+    # Built inside the engine's private loop, which its output handler then belongs to. Building
+    # the engine configuration first raises ConfigError for combinations vLLM rejects.
+    return start_engine(args.engine_config(), args.engine_args)
+
+
 class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
     """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
 
     def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True) -> None:
         """``warm_up=False`` leaves the warm-up request to the caller (``warm_up()``), which may
         run it beside other start-up work."""
-        self.config = config or load_config()
-        self.settings = self.config.settings
-        self.engine_args = self.config.args.engine_args
-        self.loop = BackgroundLoop("vllm-engine")
+        config = config or load_config()
+        loop = BackgroundLoop("vllm-engine")
         started = time.perf_counter()
-        self.llm: AsyncLLM = self.loop.run(self._start())
+        llm = loop.run(_start(config.args))
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
+        self._assemble(config.settings, llm, loop, config)
         if warm_up:
             self.warm_up().result()
-        template = load_chat_template(self.config.args.namespace.chat_template)
-        self.tokenizer = TokenizerWrapper(self.llm.get_tokenizer(), template)
 
-    async def _start(self) -> AsyncLLM:
-        # Built inside the private loop, which its output handler then belongs to. Building the
-        # engine configuration first raises ConfigError for combinations vLLM rejects.
-        return start_engine(self.config.args.engine_config(), self.engine_args)
+    @classmethod
+    def from_parts(cls, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop, *,
+                   config: WorkerConfig | None = None, tokenizer: TokenizerWrapper | None = None) -> vLLMEngine:
+        """An engine around an ``llm`` already running on ``loop`` (an AsyncLLM, or a stand-in with
+        the methods a job uses): nothing is loaded. ``tokenizer`` defaults to the llm's own."""
+        engine = cls.__new__(cls)
+        engine._assemble(settings, llm, loop, config, tokenizer)
+        return engine
+
+    def _assemble(self, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop,
+                  config: WorkerConfig | None, tokenizer: TokenizerWrapper | None = None) -> None:
+        self.config, self.settings, self.llm, self.loop = config, settings, llm, loop
+        self.engine_args = config.args.engine_args if config else None
+        if tokenizer is None:
+            template = load_chat_template(config.args.namespace.chat_template) if config else None
+            tokenizer = TokenizerWrapper(llm.get_tokenizer(), template)
+        self.tokenizer = tokenizer
 
     def warm_up(self) -> concurrent.futures.Future[None]:
         """Starts the warm-up request on the engine's loop."""

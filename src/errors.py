@@ -7,10 +7,9 @@ Exception tree::
     └── RequestError                 a job that cannot be served; the worker keeps serving
         └── (status 400 unless set)  e.g. a bad field in the job input
 
-Exceptions from vLLM are classified by type, never by message:
-``VLLMNotFoundError`` → 404, ``VLLMClientError``/``ValueError``/``TypeError`` → 400,
-``EngineDeadError`` and accelerator faults → fatal (the worker exits so RunPod replaces it),
-anything else → 500.
+Other exceptions (vLLM's) are classified by type, never by message, in the adapter
+(``vllm_adapter.error_status``, ``vllm_adapter.is_fatal``): this module imports no vLLM, so the
+modules that raise the worker's errors do not pull in vLLM and torch.
 
 A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape, or Anthropic's on
 ``/v1/messages``). The runpod SDK fails the job with ``str()`` of the inner ``error`` value as its
@@ -24,7 +23,6 @@ import json
 from http import HTTPStatus
 
 from error_types import anthropic_type, openai_type
-from vllm_adapter import FATAL_ERRORS, NOT_FOUND_ERRORS, REQUEST_ERRORS
 
 
 class WorkerError(Exception):
@@ -85,23 +83,11 @@ def error_response(status: HTTPStatus, message: str, *, param: str | None = None
     return create_error_response(message, status_code=status, param=param)
 
 
-def is_fatal(exc: BaseException) -> bool:
-    """True when the engine cannot serve again and the process must be replaced."""
-    return isinstance(exc, FATAL_ERRORS)
-
-
-def error_status(exc: BaseException) -> HTTPStatus:
+def error_from_exception(exc: BaseException, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR, *,
+                         anthropic: bool = False) -> ErrorPayload:
+    """Map any exception to the payload, keeping its real message and parameter; ``status`` is
+    what the exception means (a ``RequestError`` carries its own)."""
     if isinstance(exc, RequestError):
-        return exc.status
-    if isinstance(exc, NOT_FOUND_ERRORS):
-        return HTTPStatus.NOT_FOUND
-    if isinstance(exc, REQUEST_ERRORS):
-        return HTTPStatus.BAD_REQUEST
-    return HTTPStatus.INTERNAL_SERVER_ERROR
-
-
-def error_from_exception(exc: BaseException, *, anthropic: bool = False) -> ErrorPayload:
-    """Map any exception to the payload, keeping its real message and parameter."""
+        status = exc.status
     param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
-    return error_response(error_status(exc), str(exc) or type(exc).__name__, param=param,
-                          anthropic=anthropic)
+    return error_response(status, str(exc) or type(exc).__name__, param=param, anthropic=anthropic)

@@ -33,14 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from deadlines import DeadlinePassed, Deadlines
 from error_types import is_anthropic_route
-from errors import (
-    ConfigError,
-    ErrorPayload,
-    RequestError,
-    error_from_exception,
-    error_response,
-    is_fatal,
-)
+from errors import ConfigError, ErrorPayload, RequestError, error_from_exception, error_response
 from job_input import JobInput
 
 if TYPE_CHECKING:
@@ -119,7 +112,7 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     try:
         job_input = JobInput.from_job(job)
     except RequestError as exc:
-        yield error_from_exception(exc)
+        yield error_from_exception(exc, anthropic=_asks_anthropic(job))
         return
     engine = openai_engine if job_input.openai_route else vllm_engine
     anthropic = is_anthropic_route(job_input.openai_route)  # errors in the route's dialect
@@ -136,12 +129,21 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period,
                               anthropic)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
+        from vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
+
         if is_fatal(exc):
             log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
             _exit_soon(1)
         else:
             log.warning("Job %s failed: %s", job.get("id"), exc)
-        yield error_from_exception(exc, anthropic=anthropic)
+        yield error_from_exception(exc, error_status(exc), anthropic=anthropic)
+
+
+def _asks_anthropic(job: dict[str, Any]) -> bool:
+    """Whether a job that failed validation named an Anthropic route (its error's dialect)."""
+    job_input = job.get("input") if isinstance(job, dict) else None
+    route = job_input.get("openai_route") if isinstance(job_input, dict) else None
+    return isinstance(route, str) and is_anthropic_route(route)
 
 
 def _configure_logging() -> None:

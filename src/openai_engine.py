@@ -16,53 +16,31 @@ Outputs:
 from __future__ import annotations
 
 import argparse
-import codecs
 import copy
 import json
 import logging
-import math
-import re
 import time
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Any
-
-import msgspec
+from typing import TYPE_CHECKING, Any
 
 from asgi_client import Response, request
-from batching import BatchSize
-from engine import job_batch_size, vLLMEngine
+from batching import Batches, BatchSize, job_batch_size
 from error_types import is_anthropic_route
 from errors import ErrorPayload, anthropic_error, create_error_response, error_response
 from forms import form_body
 from job_input import JobInput
 from routes import DENIED, RouteTable
 from settings import WorkerSettings
+from sse import EventSplitter, data_json
 from vllm_adapter import build_openai_app
+
+if TYPE_CHECKING:
+    from engine import vLLMEngine
 
 log = logging.getLogger(__name__)
 
 __all__ = ["OpenAIvLLMEngine"]
-
-
-def _split_events(buffer: str) -> tuple[list[str], str]:
-    """Complete SSE events (each ending in a blank line) and the unfinished rest."""
-    *events, rest = buffer.split("\n\n")
-    return [event + "\n\n" for event in events], rest
-
-
-_DATA_LINE = re.compile(r"^data:(.*)$", re.MULTILINE)
-
-
-def _events_json(events: list[str]) -> list[Any]:
-    """The JSON of each event's first ``data:`` line, without ``[DONE]``, comments and nulls.
-
-    One parse for the whole batch, with msgspec: about a quarter of the cost of ``json.loads`` on
-    each event, which would be most of the worker's cost per token in this mode.
-    """
-    payloads = [data for event in events if (match := _DATA_LINE.search(event))
-                and (data := match[1].strip()) != "[DONE]"]
-    return [obj for obj in msgspec.json.decode(f"[{','.join(payloads)}]") if obj is not None]
 
 
 def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
@@ -89,43 +67,34 @@ def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
     return create_error_response(message, status_code=HTTPStatus(status))
 
 
-class _EventSplitter:
-    """SSE events from a byte stream whose chunks may end mid-event or mid-character."""
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")()
-        self._rest = ""
-
-    def feed(self, data: bytes) -> list[str]:
-        events, self._rest = _split_events(self._rest + self._decoder.decode(data))
-        return events
-
-    def close(self) -> list[str]:
-        """An unterminated last event, if any."""
-        return [self._rest] if self._rest.strip() else []
-
-
 async def _event_batches(response: Response, size: BatchSize,
                          preamble: int = 0) -> AsyncIterator[list[str]]:
-    """The response's SSE events in batches of ``size`` (as ``batched`` makes them).
+    """The response's SSE events in the batches ``Batches`` cuts (``preamble`` events free).
 
-    The ``preamble`` events do not count: they ride in the first batch with the first output and
-    all that arrived with it (Anthropic's ``content_block_start`` comes with its first delta), so
-    that batch carries the first token, as a raw stream's does. Each read waits, in the app's
-    task, until the events the current batch still needs have arrived, so this wakes once per
-    batch instead of once per event (one per engine step).
+    Each read waits, in the app's task, until the events the current batch still needs have
+    arrived, so this wakes once per batch instead of once per event (one per engine step).
     """
-    splitter, events = _EventSplitter(), []
-    while data := await response.read_events(preamble + math.ceil(size.current_batch_size) - len(events)):
-        events += splitter.feed(data)
-        while len(events) - preamble >= size.current_batch_size:
-            cut = len(events) if preamble else math.ceil(size.current_batch_size)
-            yield events[:cut]
-            events, preamble = events[cut:], 0
-            size.update()
-    events += splitter.close()
-    if events:
-        yield events
+    splitter, batches = EventSplitter(), Batches(size, free=preamble)
+    while data := await response.read_events(batches.needed()):
+        for batch in batches.add(splitter.feed(data)):
+            yield batch
+    for batch in batches.add(splitter.close()):  # an unterminated last event
+        yield batch
+    if rest := batches.rest():
+        yield rest
+
+
+def _serving_namespace(vllm_engine: vLLMEngine, namespace: argparse.Namespace | None,
+                       settings: WorkerSettings) -> argparse.Namespace:
+    """The `vllm serve` namespace the routes are served with: the engine's own by default, with
+    OPENAI_SERVED_MODEL_NAME_OVERRIDE applied (on a copy)."""
+    if namespace is None:
+        config = vllm_engine.config
+        namespace = config.args.namespace if config else argparse.Namespace(model="", served_model_name=None)
+    namespace = copy.copy(namespace)
+    if override := settings.openai_served_model_name_override:
+        namespace.served_model_name = [override]
+    return namespace
 
 
 class OpenAIvLLMEngine:
@@ -134,17 +103,31 @@ class OpenAIvLLMEngine:
     def __init__(self, vllm_engine: vLLMEngine, namespace: argparse.Namespace | None = None,
                  settings: WorkerSettings | None = None) -> None:
         """``namespace`` and ``settings`` default to the engine's own configuration."""
-        self.engine = vllm_engine
-        self.settings = settings or vllm_engine.settings
-        self.namespace = copy.copy(namespace or vllm_engine.config.args.namespace)
-        if override := self.settings.openai_served_model_name_override:
-            self.namespace.served_model_name = [override]
+        settings = settings or vllm_engine.settings
+        namespace = _serving_namespace(vllm_engine, namespace, settings)
         started = time.perf_counter()
         # Created once, in the engine's loop, before any job: no lazy first-request set-up.
-        self.app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, self.namespace))
-        self.routes = RouteTable.from_app(self.app)
+        app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, namespace))
+        self._assemble(vllm_engine, app, RouteTable.from_app(app), namespace, settings)
         log.info("OpenAI routes ready in %.2fs: %s", time.perf_counter() - started,
                  ", ".join(self.routes.names()))
+
+    @classmethod
+    def from_parts(cls, vllm_engine: vLLMEngine, app: Any, routes: RouteTable, *,
+                   namespace: argparse.Namespace | None = None,
+                   settings: WorkerSettings | None = None) -> OpenAIvLLMEngine:
+        """Serves ``app`` (vLLM's app, or any ASGI app serving ``routes``) on the engine's loop:
+        nothing is built."""
+        served = cls.__new__(cls)
+        settings = settings or vllm_engine.settings
+        served._assemble(vllm_engine, app, routes, _serving_namespace(vllm_engine, namespace, settings),
+                         settings)
+        return served
+
+    def _assemble(self, vllm_engine: vLLMEngine, app: Any, routes: RouteTable,
+                  namespace: argparse.Namespace, settings: WorkerSettings) -> None:
+        self.engine, self.app, self.routes = vllm_engine, app, routes
+        self.namespace, self.settings = namespace, settings
 
     @property
     def served_model_name(self) -> str:
@@ -187,5 +170,5 @@ class OpenAIvLLMEngine:
             async for batch in _event_batches(response, size, route.preamble(job.openai_input)):
                 if self.settings.raw_openai_output:
                     yield "".join(batch)
-                elif parsed := _events_json(batch):
+                elif parsed := data_json(batch):
                     yield parsed

@@ -40,7 +40,7 @@ class WorkerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     max_concurrency: int = Field(30, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
-    default_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
+    max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
     min_batch_size: int = Field(
         1, ge=1, validation_alias=_env("MIN_BATCH_SIZE", "DEFAULT_MIN_BATCH_SIZE"))
     batch_size_growth_factor: float = Field(

@@ -12,6 +12,7 @@ import importlib
 import logging
 import os
 import re
+from http import HTTPStatus
 from pathlib import Path
 
 import msgspec
@@ -46,8 +47,8 @@ __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
     "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message", "EngineDeadError",
-    "FATAL_ERRORS", "import_app_modules", "load_chat_template",
-    "make_sampling_params", "NOT_FOUND_ERRORS", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
+    "error_status", "import_app_modules", "is_fatal", "load_chat_template",
+    "make_sampling_params", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
     "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
     "TokensPrompt", "validate_frontend_args", "visible_gpu_count", "VllmConfig",
 ]
@@ -57,6 +58,21 @@ FATAL_ERRORS: tuple[type[BaseException], ...] = (EngineDeadError, torch.Accelera
 # Errors caused by the request (HTTP 4xx).
 NOT_FOUND_ERRORS = (VLLMNotFoundError,)
 REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError, msgspec.ValidationError)
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """True when the engine cannot serve again and the process must be replaced."""
+    return isinstance(exc, FATAL_ERRORS)
+
+
+def error_status(exc: BaseException) -> HTTPStatus:
+    """What an exception from vLLM means, by its type (never its message): 404 for what vLLM
+    does not have, 400 for a request it rejects, else 500."""
+    if isinstance(exc, NOT_FOUND_ERRORS):
+        return HTTPStatus.NOT_FOUND
+    if isinstance(exc, REQUEST_ERRORS):
+        return HTTPStatus.BAD_REQUEST
+    return HTTPStatus.INTERNAL_SERVER_ERROR
 
 # SamplingParams fields a job may set: the public ones, less those the worker controls.
 _WORKER_CONTROLLED = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})

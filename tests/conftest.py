@@ -11,32 +11,22 @@ import asyncio
 import json
 import logging
 import math
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
-from dotenv import dotenv_values
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_ROOT = REPO / ".cache" / "models"
-
-# The same CPU settings as scripts/serve.sh (process-wide vLLM settings and engine flags).
-CPU_ENV = {**dotenv_values(REPO / "scripts" / "cpu-dev.env"),
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vllm-rpc-"),
-           "DISABLE_LOG_STATS": "true"}
-for _name, _value in CPU_ENV.items():
-    os.environ.setdefault(_name, _value)
 
 # In bfloat16 the dequantised SmolLM2 is on a knife edge for "What is the capital of France?"
 # (first token "L" 0.160 vs "The" 0.141 on this CPU); float32 answers "Paris", as transformers does.
 SMOLLM2_DTYPE = "float32"
 
 sys.path.insert(0, str(REPO / "scripts"))
+from dev_env import CPU_ENV, free_port  # noqa: E402 - scripts/ is on the path from here on
 
 
 @pytest.fixture
@@ -193,12 +183,6 @@ def tiny_scale_out_openai(tiny_engine):
 def cosine(a, b) -> float:
     return sum(x * y for x, y in zip(a, b, strict=True)) / math.sqrt(
         sum(x * x for x in a) * sum(y * y for y in b))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> set[int]:

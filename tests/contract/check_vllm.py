@@ -32,17 +32,9 @@ import pytest
 from conftest import engine_env
 
 import vllm_adapter as adapter
-from engine_args import (
-    BAKED_SOURCE_KEYS,
-    ENV_ALIASES,
-    FRONTEND_DESTS,
-    PARALLEL_DESTS,
-    RESERVED_ENV,
-    WORKER_DEFAULTS,
-    ZERO_MEANS_UNSET,
-    _parser,
-    known_env_names,
-)
+from arg_parser import ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, ZERO_MEANS_UNSET, env_parser
+from baked_args import BAKED_SOURCE_KEYS
+from engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
 from legacy_env import RENAMED_ENV, SPECULATIVE_ENV
 from routes import RouteTable, unclassified_routes
 from settings import load_config
@@ -110,7 +102,7 @@ def _bare(annotation: str) -> str:
 def samples(dest: str) -> tuple[list[tuple[str, Any]], bool]:
     """(env text, value it must parse to) pairs for the flag, and whether they were derived from
     its type (else: guesses, any of which may parse)."""
-    p = _parser()
+    p = env_parser()
     action = p.actions[dest]
     many = action.nargs in ("+", "*")
     if dest in HAND_SAMPLES:
@@ -141,15 +133,15 @@ def samples(dest: str) -> tuple[list[tuple[str, Any]], bool]:
 
 def parsed(dest: str, text: str) -> Any:
     """The flag's value after the worker turns ``text`` into tokens for vLLM's parser."""
-    p = _parser()
-    namespace = p.parser.parse_args([])
+    p = env_parser()
+    namespace = p.cli.parse_args([])
     setattr(namespace, dest, UNCHANGED)
-    p.parser.parse_args(list(p.tokens_from_text(dest, text)), namespace=namespace)
+    p.cli.parse_args(list(p.tokens_from_text(dest, text)), namespace=namespace)
     return getattr(namespace, dest)
 
 
 def test_every_flag_is_read_from_its_env_name():
-    p = _parser()
+    p = env_parser()
     assert p.env_dests, "no engine flags found"
     assert FRONTEND_DESTS <= set(p.actions), "front-end flags gone from vLLM's parser"
     assert adapter.engine_arg_dests() <= set(p.actions), "engine flags missing from `vllm serve`"
@@ -174,7 +166,7 @@ def _problem(dest: str, text: str, want: Any) -> str | None:
 
 def test_every_flag_takes_a_typed_env_value():
     """The worker's text → tokens conversion still fits vLLM's parser, flag by flag."""
-    p = _parser()
+    p = env_parser()
     failures, guessed, unsampled = [], [], []
     for dest in sorted(d for d in p.env_dests if d.upper() not in RESERVED_ENV):
         p.expected(dest)  # the error-message wording must work for every flag
@@ -196,7 +188,7 @@ def test_every_flag_takes_a_typed_env_value():
 # --- 3. names the worker's tables give vLLM ---------------------------------------------------------
 
 def test_the_worker_tables_name_flags_vllm_has():
-    p = _parser()
+    p = env_parser()
     named = {*WORKER_DEFAULTS, *ZERO_MEANS_UNSET, *PARALLEL_DESTS, *ENV_ALIASES.values(),
              *BAKED_SOURCE_KEYS, "served_model_name", "enable_lora", "hf_overrides",
              "speculative_config", "limit_mm_per_prompt"}
@@ -281,7 +273,7 @@ def test_every_route_of_every_task_and_switch_is_classified(apps, configs, runne
     for name, value in ROUTE_ENV.items():
         monkeypatch.setenv(name, value)
     namespace = argparse.Namespace(**vars(config.args.namespace))
-    for dest in ROUTE_FLAGS & _parser().env_dests:  # only those a worker's env can turn on
+    for dest in ROUTE_FLAGS & env_parser().env_dests:  # only those a worker's env can turn on
         setattr(namespace, dest, True)
     tasks = (*GENERATION_TASKS, "render") if runner == "generate" else POOLING_TASKS
     # Each task alone too: a task can change which routes another one adds (score routes).

@@ -13,19 +13,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_args import ZERO_MEANS_UNSET, resolve_args
+import sse
+from engine_args import resolve_args
 
 # Values that differ between any two calls (sequence numbers: see canonical_stream).
 VOLATILE_KEYS = frozenset({"id", "request_id", "created", "created_at", "item_id", "completed_at",
                            "sequence_number"})
-
-
-def serve_argv(env: dict[str, str]) -> list[str]:
-    """`vllm serve` flags equal to the worker's resolved configuration."""
-    resolved = resolve_args(env)
-    return [token for setting in resolved.settings.values()
-            if not (setting.dest in ZERO_MEANS_UNSET and getattr(resolved.namespace, setting.dest) is None)
-            for token in setting.tokens]
 
 
 def _healthy(server: httpx.Client) -> bool:
@@ -43,7 +36,7 @@ def vllm_servers(envs: dict[str, dict[str, str]], folder: Path) -> Iterator[dict
     servers, procs = {}, []
     for name, env in envs.items():
         log, uds = folder / f"{name}.log", folder / f"{name}.sock"
-        argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *serve_argv(env),
+        argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *resolve_args(env).serve_argv(),
                 "--uds", str(uds)]
         procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
         servers[name] = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://vllm",
@@ -74,16 +67,7 @@ def normalize(value):
 
 
 def parse_sse(text: str) -> list[tuple[str | None, object]]:
-    events = []
-    for block in filter(str.strip, text.split("\n\n")):
-        name, data = None, None
-        for line in block.splitlines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data = line[5:].strip()
-        events.append((name, data if data == "[DONE]" else normalize(json.loads(data))))
-    return events
+    return [(name, data if data == sse.DONE else normalize(json.loads(data))) for name, data in sse.parse(text)]
 
 
 def _text_delta(data) -> tuple[tuple, str, object] | None:

@@ -66,9 +66,9 @@ def test_leaving_early_tells_the_app_the_client_disconnected():
 
 
 def test_sse_events_survive_chunks_split_inside_a_character():
-    from openai_engine import _EventSplitter
+    from sse import EventSplitter
 
     data = 'data: {"t": "é"}\n\ndata: [DONE]\n\n'.encode()
-    splitter = _EventSplitter()
+    splitter = EventSplitter()
     events = [event for i in range(len(data)) for event in splitter.feed(data[i:i + 1])]
     assert events + splitter.close() == ['data: {"t": "é"}\n\n', "data: [DONE]\n\n"]

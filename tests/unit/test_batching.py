@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from batching import BatchSize, batched
+from batching import Batches, BatchSize, batched
 
 
 def sizes(size: BatchSize, count: int) -> list[float]:
@@ -53,3 +53,30 @@ def test_weighted_items_are_never_split():
 
 def test_empty_source_yields_nothing():
     assert run_batched([], BatchSize(50, 1, 3)) == []
+
+
+def cut_in_chunks(chunks, size, free=0):
+    """What Batches cuts when items arrive in ``chunks``, with what each read could wait for."""
+    batches, out, needed = Batches(size, free=free), [], []
+    for chunk in chunks:
+        needed.append(batches.needed())
+        out += batches.add(chunk)
+    return out + ([rest] if (rest := batches.rest()) else []), needed
+
+
+def test_chunks_are_cut_where_single_items_would_be():
+    items = list(range(20))
+    chunked, _ = cut_in_chunks([items[:5], items[5:6], items[6:17], items[17:]], BatchSize(50, 1, 3))
+    assert chunked == run_batched(items, BatchSize(50, 1, 3))
+
+
+def test_the_preamble_rides_free_with_everything_that_arrived_with_the_first_unit():
+    # 2 preamble events, then the first token's event arrives with two more.
+    batches, needed = cut_in_chunks([["p1"], ["p2", "t1", "t2", "t3"], ["t4", "t5", "t6"], ["t7"]],
+                                    BatchSize(50, 1, 3), free=2)
+    assert batches == [["p1", "p2", "t1", "t2", "t3"], ["t4", "t5", "t6"], ["t7"]]
+    assert needed == [3, 2, 3, 9]  # preamble + first batch; then 3, then 9 (after growth)
+
+
+def test_a_stream_shorter_than_its_preamble_ends_in_one_batch():
+    assert cut_in_chunks([["p1"]], BatchSize(50, 1, 3), free=2)[0] == [["p1"]]

@@ -84,7 +84,7 @@ def test_vllm_defaults_fill_the_rest(files):
 
 def test_sources_are_recorded(files):
     files.write_yaml("max-model-len: 1024\n")
-    settings = resolve(files, MODEL_NAME="m").settings
+    settings = resolve(files, MODEL_NAME="m").flags
     assert settings["model"].source == "env MODEL_NAME"
     assert settings["max_model_len"].source == "config file vllm_config.yaml max-model-len"
     assert settings["gpu_memory_utilization"].source == "worker default"
@@ -329,7 +329,7 @@ def test_secrets_never_logged(files, caplog):
 
 def test_worker_settings_defaults():
     s = load_settings({})
-    assert (s.max_concurrency, s.default_batch_size, s.min_batch_size, s.batch_size_growth_factor,
+    assert (s.max_concurrency, s.max_batch_size, s.min_batch_size, s.batch_size_growth_factor,
             s.raw_openai_output, s.openai_served_model_name_override) == (30, 50, 1, 3.0, True, None)
 
 

@@ -8,7 +8,8 @@ import pytest
 from conftest import REPO, alive, wait_for
 
 import handler
-from errors import RequestError, is_fatal
+from errors import RequestError
+from vllm_adapter import is_fatal
 from settings import WorkerSettings
 from tokenizer import NO_TEMPLATE, TokenizerWrapper
 from vllm_adapter import EngineDeadError

@@ -9,6 +9,7 @@ bake file, the CPU lock and worker-config.json name one vLLM version.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -22,7 +23,8 @@ import jsonschema
 import pytest
 from conftest import REPO
 
-from engine_args import ENV_ALIASES, FRONTEND_DESTS, WORKER_DEFAULTS, ZERO_MEANS_UNSET, known_env_names
+from arg_parser import ENV_ALIASES, FRONTEND_DESTS, ZERO_MEANS_UNSET
+from engine_args import WORKER_DEFAULTS, known_env_names
 from job_input import JobInput
 from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
 from routes import REVIEWED
@@ -132,6 +134,20 @@ def test_dockerfile_layers_go_from_rarely_to_often_changed():
     steps = ["builder/requirements.txt", "python3 /src/download_model.py", "COPY src/ /src/"]
     positions = [DOCKERFILE.index(step) for step in steps]
     assert positions == sorted(positions)
+
+
+def test_the_bake_step_runs_with_only_the_files_copied_before_it(tmp_path):
+    """download_model.py runs before src/ is copied (so a code change does not bake again): what it
+    imports of ours must be copied with it."""
+    bake = DOCKERFILE.index("python3 /src/download_model.py")
+    copy = re.findall(r"^COPY (.+) /src/$", DOCKERFILE[:bake], re.MULTILINE)[-1].split()
+    (tmp_path / "src").mkdir()
+    for name in copy:
+        (tmp_path / "src" / Path(name).name).write_bytes((REPO / name).read_bytes())
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MODEL_NAME": ""}
+    result = subprocess.run([sys.executable, str(tmp_path / "src" / "download_model.py")], env=env,
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0 and "no model baked in" in result.stderr, result.stderr
 
 
 # --- bake file -----------------------------------------------------------------------------------

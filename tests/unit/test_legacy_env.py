@@ -78,7 +78,7 @@ def test_every_documented_name_is_honoured_mapped_warned_or_not_ours():
 @pytest.mark.parametrize("name", sorted(REMOVED_ENV))
 def test_removed_knobs_warn_once_naming_the_replacement(name, caplog):
     args = resolve(**{name: "1"})
-    assert args.settings.keys() == resolve().settings.keys()  # nothing else changed
+    assert args.flags.keys() == resolve().flags.keys()  # nothing else changed
     warnings = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert len(warnings) == 1 and "ignored: " + REMOVED_ENV[name] in warnings[0]
 
@@ -88,7 +88,7 @@ def test_removed_knobs_warn_once_naming_the_replacement(name, caplog):
 def test_disable_log_requests_names_are_mapped(name, text, enabled, caplog):
     args = resolve(**{name: text})
     assert args.engine_args.enable_log_requests is enabled
-    assert args.settings["enable_log_requests"].source == f"env {name}"
+    assert args.flags["enable_log_requests"].source == f"env {name}"
     assert f"{name} is deprecated, use ENABLE_LOG_REQUESTS" in caplog.text
 
 
@@ -104,7 +104,7 @@ def test_explicit_hf_overrides_win_and_keep_their_other_keys():
                    HF_OVERRIDES='{"rope_parameters": {"factor": 8.0}, "architectures": ["X"]}')
     assert args.engine_args.hf_overrides == {
         "rope_parameters": {"factor": 8.0, "rope_theta": 500000.0}, "architectures": ["X"]}
-    assert args.settings["hf_overrides"].source == "env ROPE_SCALING, ROPE_THETA, HF_OVERRIDES"
+    assert args.flags["hf_overrides"].source == "env ROPE_SCALING, ROPE_THETA, HF_OVERRIDES"
 
 
 @pytest.mark.parametrize(("env", "fragment"), [
@@ -135,7 +135,7 @@ def test_speculative_variables_keep_worker_vllms_meaning(env, config):
     args = resolve(**env)
     assert args.engine_args.speculative_config == config
     named = [name for name, value in env.items() if value != "0" or name.startswith("SPECULATIVE_")]
-    assert args.settings["speculative_config"].source == "env " + ", ".join(
+    assert args.flags["speculative_config"].source == "env " + ", ".join(
         name for name in SPECULATIVE_ENV if name in named)
 
 
@@ -163,7 +163,7 @@ def test_all_visible_gpus_are_used_unless_parallelism_is_set(monkeypatch, caplog
     if gpus > 1:  # the decision is logged
         assert f"{gpus} GPUs visible" in caplog.text
         if not env:
-            assert resolve().settings["tensor_parallel_size"].source == "4 visible GPUs"
+            assert resolve().flags["tensor_parallel_size"].source == "4 visible GPUs"
     else:
         assert "GPUs visible" not in caplog.text
 
@@ -184,5 +184,5 @@ def test_vllm_api_key_is_reported_as_ignored(caplog):
 def test_legacy_settings_show_in_the_summary_under_their_own_names():
     summary = resolve(NGRAM_PROMPT_LOOKUP_MAX="4").summary()
     assert "speculative_config=" in summary and "(env NGRAM_PROMPT_LOOKUP_MAX)" in summary
-    assert json.loads(resolve(NGRAM_PROMPT_LOOKUP_MAX="4").settings["speculative_config"].value) == {
+    assert json.loads(resolve(NGRAM_PROMPT_LOOKUP_MAX="4").flags["speculative_config"].value) == {
         "method": "ngram", "prompt_lookup_max": 4}
