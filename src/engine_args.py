@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import os
 from collections.abc import Mapping

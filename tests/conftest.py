@@ -26,7 +26,7 @@ MODELS_ROOT = REPO / ".cache" / "models"
 SMOLLM2_DTYPE = "float32"
 
 sys.path.insert(0, str(REPO / "scripts"))
-from dev_env import CPU_ENV, free_port  # noqa: E402 - scripts/ is on the path from here on
+from dev_env import CPU_ENV  # noqa: E402 - scripts/ is on the path from here on
 
 
 @pytest.fixture

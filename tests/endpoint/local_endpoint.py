@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from conftest import CPU_ENV, REPO, descendants, free_port
+from conftest import CPU_ENV, REPO, descendants
+from dev_env import free_port
 
 API_KEY = "test-key-5f1c"  # the workers' RUNPOD_AI_API_KEY too
 HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
