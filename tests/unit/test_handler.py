@@ -9,10 +9,9 @@ from conftest import REPO, alive, wait_for
 
 import handler
 from errors import RequestError
-from vllm_adapter import is_fatal
 from settings import WorkerSettings
 from tokenizer import NO_TEMPLATE, TokenizerWrapper
-from vllm_adapter import EngineDeadError
+from vllm_adapter import EngineDeadError, is_fatal
 
 
 class FailingEngine:
@@ -50,6 +49,17 @@ def test_other_errors_keep_the_worker(monkeypatch, exc, code):
     items = run({"id": "j", "input": {"prompt": "x"}}, FailingEngine(exc), monkeypatch)
     assert [i.get("error", {}).get("code") for i in items] == [None, code] and exits == []
     assert not is_fatal(exc)
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])
+def test_a_job_failing_validation_is_answered_in_its_routes_dialect(monkeypatch, route):
+    job = {"id": "j", "input": {"openai_route": route, "openai_input": {}, "max_batch_size": "many"}}
+    [item] = run(job, None, monkeypatch)
+    if route == "/v1/messages":
+        assert item["type"] == "error" and item["error"]["type"] == "invalid_request_error"
+    else:
+        assert item["error"]["code"] == 400 and item["error"]["param"] == "max_batch_size"
+    assert "max_batch_size" in item["error"]["message"]
 
 
 def test_openai_route_without_openai_engine(monkeypatch):
