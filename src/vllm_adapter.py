@@ -19,6 +19,7 @@ import msgspec
 import pydantic
 import torch
 import torch._dynamo.config
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 import vllm.envs
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
@@ -169,9 +170,16 @@ def compiles(vllm_config: VllmConfig) -> bool:
     return vllm_config.compilation_config.mode != CompilationMode.NONE and not torch._dynamo.config.disable
 
 
-# Of the variables _cpu_compile_cache sets, those the user set (before the worker touched any).
-_USERS_COMPILE_ENV = frozenset(name for name in ("VLLM_USE_AOT_COMPILE", "TORCHINDUCTOR_CACHE_DIR")
-                               if name in os.environ)
+_SET_HERE: dict[str, str] = {}  # what _cpu_compile_cache set: a later engine of this process sets its own
+
+
+def _users_own(name: str) -> bool:
+    """Whether the user set ``name``. Torch fills TORCHINDUCTOR_CACHE_DIR with its /tmp default when
+    first asked (importing vLLM does), which is nobody's choice."""
+    value = os.environ.get(name)
+    if value is None or value == _SET_HERE.get(name):
+        return False
+    return not (name == "TORCHINDUCTOR_CACHE_DIR" and value == default_cache_dir())
 
 
 def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
@@ -187,8 +195,8 @@ def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
         return
     entry = Path(cache_root(), "torch_compile_cache", f"inductor-{vllm_config.compute_hash()[:16]}")
     for name, value in (("VLLM_USE_AOT_COMPILE", "0"), ("TORCHINDUCTOR_CACHE_DIR", str(entry))):
-        if name not in _USERS_COMPILE_ENV:
-            os.environ[name] = value  # per engine: a later engine in this process has its own entry
+        if not _users_own(name):
+            os.environ[name] = _SET_HERE[name] = value
 
 
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs) -> AsyncLLM:
