@@ -22,6 +22,7 @@ import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 from bench.common import Plan, Results, ab, model_env
 from bench.servers import Endpoint, VllmServe
@@ -32,6 +33,7 @@ INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\
 LOAD_WEIGHTS = re.compile(r"Loading weights took ([\d.]+) s")
 CACHE_STATE = re.compile(r"Worker ready: .*; compile cache (\w+)")
 RECOMPILED = re.compile(r"Compiling model again due to a load failure from \S+, reason: .*")
+S = TypeVar("S", Endpoint, VllmServe)
 COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
 # LOAD_FORMAT (and SAFETENSORS_LOAD_STRATEGY) settings measured in item 12.
 LOAD_FORMATS = {"auto": {}, "safetensors, eager": {"LOAD_FORMAT": "safetensors",
@@ -48,11 +50,17 @@ def _logged(pattern: re.Pattern, log: str) -> str:
     return match[1]
 
 
+def _started(kind: type[S], env: dict[str, str], log_path: Path) -> S:
+    """A server of ``kind`` that has started; stopped before it is returned, so that neither side
+    of a comparison starts while the other still runs."""
+    server = kind(env, log_path)
+    server.stop()
+    return server
+
+
 def _worker(env: dict[str, str], log_path: Path) -> Endpoint:
-    """A worker started under the local endpoint; stopped before it is returned."""
-    endpoint = Endpoint(env, log_path)
-    endpoint.stop()
-    return endpoint
+    """A worker started under the local endpoint, and stopped."""
+    return _started(Endpoint, env, log_path)
 
 
 def side_by_side(model: str, plan: Plan, logs: Path, results: Results) -> None:
@@ -61,8 +69,7 @@ def side_by_side(model: str, plan: Plan, logs: Path, results: Results) -> None:
     item = "10 start-up side by side"
     for rep in range(plan.reps):
         worker, serve = ab(rep, lambda: _worker(env, logs / f"worker-{rep}.log"),
-                           lambda: VllmServe(env, logs / f"serve-{rep}.log"))
-        serve.stop()
+                           lambda: _started(VllmServe, env, logs / f"serve-{rep}.log"))
         for side, server, total in (("worker", worker, worker.start_up.total),
                                     ("vllm serve", serve, serve.start_up)):
             results.figure(item, model, f"{side}: process start → {READY[side]}", "s").values.append(total)

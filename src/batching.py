@@ -91,7 +91,6 @@ class Batches(Generic[T]):
         self.filled += sum(map(self.weight, items))
         if self.filled - self.free < self.size.current_batch_size:
             return []
-        self.free = 0
         return [self._cut()]
 
     def rest(self) -> list[T]:
