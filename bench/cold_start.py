@@ -21,6 +21,7 @@ import re
 import tempfile
 import time
 from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import TypeVar
 
@@ -111,7 +112,7 @@ def _segments(server, total: float) -> dict[str, float]:
     started = server.started
     points = [started, *marks, started + total]
     names = [name for name, _ in MILESTONES] + ["after the engine core (app, warm-up, ready)"]
-    return {name: b - a for name, a, b in zip(names, points, points[1:], strict=True)}
+    return dict(zip(names, (b - a for a, b in pairwise(points)), strict=True))
 
 
 def compile_cache(model: str, plan: Plan, logs: Path, results: Results) -> None:
