@@ -174,12 +174,14 @@ _SET_HERE: dict[str, str] = {}  # what _cpu_compile_cache set: a later engine of
 
 
 def _users_own(name: str) -> bool:
-    """Whether the user set ``name``. Torch fills TORCHINDUCTOR_CACHE_DIR with its /tmp default when
-    first asked (importing vLLM does), which is nobody's choice."""
+    """Whether the user set ``name``. Torch fills TORCHINDUCTOR_CACHE_DIR with its default,
+    ``<temp dir>/torchinductor_<user>``, when first asked (importing vLLM does), and a parent
+    process that imported torch (a supervisor, a test run) passes its own on, under its own temp
+    dir: neither is anybody's choice."""
     value = os.environ.get(name)
     if value is None or value == _SET_HERE.get(name):
         return False
-    return not (name == "TORCHINDUCTOR_CACHE_DIR" and value == default_cache_dir())
+    return not (name == "TORCHINDUCTOR_CACHE_DIR" and Path(value).name == Path(default_cache_dir()).name)
 
 
 def _cpu_compile_cache(vllm_config: VllmConfig) -> None:

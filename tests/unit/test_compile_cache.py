@@ -161,3 +161,33 @@ def test_a_volume_that_cannot_be_written_is_logged_and_the_start_goes_on(tmp_pat
     make_entry(local, "torch_compile_cache/abc")
     assert VolumeCache(volume, local, DIRS).publish() == 0
     assert "could not copy" in caplog.text
+
+
+@pytest.mark.parametrize(("value", "own"), [
+    (None, False),
+    ("{tmp}/torchinductor_{user}", False),  # torch's default, set when vLLM is imported
+    ("/other/tmp/torchinductor_{user}", False),  # a parent's default, under its own TMPDIR
+    ("/volume/inductor", True),
+])
+def test_only_a_chosen_inductor_cache_dir_is_the_users_own(value, own, monkeypatch):
+    import getpass
+    import tempfile
+
+    import vllm_adapter
+
+    if value is None:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR",
+                           value.format(tmp=tempfile.gettempdir(), user=getpass.getuser()))
+    assert vllm_adapter._users_own("TORCHINDUCTOR_CACHE_DIR") is own
+
+
+def test_what_the_worker_set_itself_is_not_the_users_own(monkeypatch):
+    import vllm_adapter
+
+    monkeypatch.setitem(vllm_adapter._SET_HERE, "VLLM_USE_AOT_COMPILE", "0")
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
+    assert not vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
+    assert vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
