@@ -63,8 +63,9 @@ def snapshot(root: Path, entry_dirs: Iterable[str]) -> Snapshot:
 
 
 def _files(entry: Path) -> Iterable[tuple[str, int, int]]:
+    """An entry's files, but for lock files (empty; a reader opens them for writing)."""
     paths = [entry] if entry.is_file() else (Path(top, name) for top, _, names in os.walk(entry)
-                                             for name in names)
+                                             for name in names if not name.endswith(".lock"))
     for path in paths:
         with _missing_ok():  # a file vLLM replaced meanwhile
             stat = path.stat(follow_symlinks=False)

@@ -191,3 +191,34 @@ def test_what_the_worker_set_itself_is_not_the_users_own(monkeypatch):
     assert not vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
     assert vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
+
+
+def test_torchs_precompiled_headers_are_kept_in_the_entry(tmp_path, monkeypatch):
+    """Torch puts them under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says: a link there
+    makes them part of the entry, re-pointed for another configuration's entry."""
+    import torch._inductor.codecache
+
+    import vllm_adapter
+
+    headers = tmp_path / "tmp" / "torchinductor_me" / "precompiled_headers"
+    monkeypatch.setattr(torch._inductor.codecache, "_HEADER_DIR", str(headers))
+    for entry in (tmp_path / "cache" / "inductor-a", tmp_path / "cache" / "inductor-b"):
+        vllm_adapter._keep_precompiled_headers(entry)
+        assert headers.is_symlink() and headers.resolve() == (entry / "precompiled_headers").resolve()
+        (headers / "h.gch").write_text("x")
+        assert (entry / "precompiled_headers" / "h.gch").read_text() == "x"
+    assert sorted(p.name for p in headers.parent.iterdir()) == ["precompiled_headers"]  # no link left over
+
+    headers.unlink()
+    headers.mkdir()  # a disk with its own headers keeps them
+    vllm_adapter._keep_precompiled_headers(tmp_path / "cache" / "inductor-c")
+    assert not headers.is_symlink() and not (tmp_path / "cache" / "inductor-c").exists()
+
+
+def test_lock_files_are_not_an_entrys_content(tmp_path):
+    entry = tmp_path / "torch_compile_cache" / "inductor-a"
+    (entry / "locks").mkdir(parents=True)
+    (entry / "kernel.so").write_text("k")
+    before = snapshot(tmp_path, ["torch_compile_cache"])
+    (entry / "locks" / "k.lock").write_text("")  # a warm start takes a lock
+    assert cache_state(before, snapshot(tmp_path, ["torch_compile_cache"]), True).state == "warm"
