@@ -86,12 +86,24 @@ class Batches(Generic[T]):
     def add(self, items: Sequence[T]) -> list[list[T]]:
         """Items that arrived together; the batches they complete, in order."""
         if not self.free:
+            if self.weight is _one:  # one unit each (SSE events): cut by slicing, as push would
+                return self._slice(self.pending + list(items))
             return [batch for item in items if (batch := self.push(item)) is not None]
         self.pending += items
         self.filled += sum(map(self.weight, items))
         if self.filled - self.free < self.size.current_batch_size:
             return []
         return [self._cut()]
+
+    def _slice(self, pending: list[T]) -> list[list[T]]:
+        batches = []
+        while len(pending) >= self.size.current_batch_size:
+            cut = math.ceil(self.size.current_batch_size)
+            batches.append(pending[:cut])
+            pending = pending[cut:]
+            self.size.update()
+        self.pending, self.filled = pending, len(pending)
+        return batches
 
     def rest(self) -> list[T]:
         """What is left once the stream has ended (a last, short batch), and no more."""

@@ -22,8 +22,10 @@ PUBLISHED = re.compile(r"Compile cache: (\d+) new entries published")
 
 
 def start(models, volume, disk, log) -> LocalEndpoint:
+    """A worker on its own container disk: its cache root and temp dir (torch's headers) are there."""
+    (disk / "tmp").mkdir(parents=True, exist_ok=True)
     env = {"MODEL_NAME": str(models["tiny-llama"]), "BASE_PATH": str(volume), "XDG_CACHE_HOME": str(disk),
-           "MAX_CONCURRENCY": "4", **COMPILE_ON}
+           "TMPDIR": str(disk / "tmp"), "MAX_CONCURRENCY": "4", **COMPILE_ON}
     return LocalEndpoint(env, 1, log, ready_timeout=900)
 
 
@@ -64,7 +66,10 @@ def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_
     shared = volume / VOLUME_CACHE_DIR
     on_volume = entries(shared, CACHE_ENTRY_DIRS)
     # On the CPU, Inductor's compiled kernels are an entry of their own (vllm_adapter._cpu_compile_cache).
-    assert any(name.startswith("torch_compile_cache/inductor-") for name in on_volume), on_volume
+    inductor = [name for name in on_volume if name.startswith("torch_compile_cache/inductor-")]
+    assert inductor, on_volume
+    # with torch's precompiled C++ headers, which it keeps under the temp dir (linked into the entry)
+    assert list((shared / inductor[0] / "precompiled_headers").glob("*.gch"))
     assert published == len(on_volume)  # each entry published once: the other copy lost the race
     assert not [p for p in shared.rglob(f"{TMP_PREFIX}*")]
     local = [disk / "vllm" for disk in disks[:2]]
