@@ -185,18 +185,21 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
     def _item(outputs: Sequence[RequestOutput], n: int, usage: dict[str, int],
               with_logprobs: bool) -> dict[str, Any]:
         """One output item from consecutive (delta or final) outputs; ``usage`` accumulates."""
-        choices: list[dict[str, Any]] = [{"tokens": []} for _ in range(n)]
-        if with_logprobs:
-            for choice in choices:
-                choice["logprobs"] = []
+        tokens: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[Any]] | None = [[] for _ in range(n)] if with_logprobs else None
+        count = 0  # summed here, not in ``usage``: one dict update per item, not per token
         for output in outputs:
             for completion in output.outputs:
-                choice = choices[completion.index]
                 if completion.text:
-                    choice["tokens"].append(completion.text)
-                if with_logprobs:
-                    choice["logprobs"].extend(_logprobs(completion))
-                usage["output"] += len(completion.token_ids)
+                    tokens[completion.index].append(completion.text)
+                if logprobs is not None:
+                    logprobs[completion.index].extend(_logprobs(completion))
+                count += len(completion.token_ids)
+        usage["output"] += count
+        if logprobs is None:
+            choices = [{"tokens": texts} for texts in tokens]
+        else:
+            choices = [{"tokens": texts, "logprobs": lps} for texts, lps in zip(tokens, logprobs)]
         return {"choices": choices, "usage": dict(usage)}
 
     def shutdown(self) -> None:
