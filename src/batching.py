@@ -56,18 +56,22 @@ def _one(_: object) -> int:
 
 
 class Batches(Generic[T]):
-    """Where a stream of items is cut into batches of ``size``: as soon as the items since the last
-    cut weigh the current batch size (an item is never split, so a batch can weigh more).
+    """Where a stream of items is cut into batches of ``size`` units: as soon as the units since the
+    last cut reach the current batch size (an item is never split, so a batch can weigh more).
+
+    ``needed()`` is the rule: how many more units complete the current batch. Items of one unit
+    each (SSE events) go to ``add``, which cuts; a reader weighing its items itself (tokens) waits
+    for ``needed()`` units and hands them to ``fill``, so nothing is counted twice.
 
     ``free`` leading units do not count (the events vLLM sends before any output): they ride in
     the first batch, with everything that arrived together with the unit that completed it, so
     that batch carries the first token, as a raw stream's does.
     """
 
-    __slots__ = ("free", "filled", "pending", "size", "weight")
+    __slots__ = ("free", "filled", "pending", "size")
 
-    def __init__(self, size: BatchSize, weight: Callable[[T], int] = _one, free: int = 0) -> None:
-        self.size, self.weight, self.free = size, weight, free
+    def __init__(self, size: BatchSize, free: int = 0) -> None:
+        self.size, self.free = size, free
         self.pending: list[T] = []
         self.filled = 0
 
@@ -75,25 +79,20 @@ class Batches(Generic[T]):
         """Units still to arrive before the next cut: what a reader can wait for in one go."""
         return max(1, self.free + math.ceil(self.size.current_batch_size) - self.filled)
 
-    def push(self, item: T) -> list[T] | None:
-        """One arrived item; the batch it completes, if it completes one."""
-        self.pending.append(item)
-        self.filled += self.weight(item)
-        if self.filled - self.free >= self.size.current_batch_size:
-            return self._cut()
-        return None
-
     def add(self, items: Sequence[T]) -> list[list[T]]:
-        """Items that arrived together; the batches they complete, in order."""
+        """Items of one unit each that arrived together; the batches they complete, in order."""
         if not self.free:
-            if self.weight is _one:  # one unit each (SSE events): cut by slicing, as push would
-                return self._slice(self.pending + list(items))
-            return [batch for item in items if (batch := self.push(item)) is not None]
+            return self._slice(self.pending + list(items))
         self.pending += items
-        self.filled += sum(map(self.weight, items))
+        self.filled += len(items)
         if self.filled - self.free < self.size.current_batch_size:
             return []
         return [self._cut()]
+
+    def fill(self, items: Sequence[T]) -> list[T]:
+        """Items that bring the ``needed()`` units, counted by the reader: the batch they complete."""
+        self.pending += items
+        return self._cut()
 
     def _slice(self, pending: list[T]) -> list[list[T]]:
         batches = []
@@ -119,10 +118,16 @@ class Batches(Generic[T]):
 
 async def batched(source: AsyncIterable[T], size: BatchSize,
                   weight: Callable[[T], int] = _one) -> AsyncIterator[list[T]]:
-    """``source`` in the batches ``Batches`` cuts; the remainder when it ends."""
-    batches = Batches(size, weight)
+    """``source`` in the batches ``Batches`` cuts, items weighing ``weight(item)`` units; the
+    remainder when it ends. Counted here, in locals: this loop runs once per streamed token."""
+    batches: Batches[T] = Batches(size)
+    group: list[T] = []
+    due = batches.needed()
     async for item in source:
-        if (batch := batches.push(item)) is not None:
-            yield batch
-    if rest := batches.rest():
-        yield rest
+        group.append(item)
+        due -= weight(item)
+        if due <= 0:
+            yield batches.fill(group)
+            group, due = [], batches.needed()
+    if group:
+        yield group
