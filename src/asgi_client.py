@@ -107,10 +107,11 @@ class Response:
 
 @contextlib.asynccontextmanager
 async def request(app: Any, method: str, path: str, body: Any = None,
-                  content_type: str = "application/json") -> AsyncIterator[Response]:
+                  content_type: str = "application/json", query: str = "") -> AsyncIterator[Response]:
     """``async with request(app, "POST", "/v1/completions", {...}) as response: ...``
 
-    ``body`` is sent as JSON, or as it is when it is bytes (of ``content_type``)."""
+    ``body`` is sent as JSON, or as it is when it is bytes (of ``content_type``); ``query`` is the
+    URL's query string, without its ``?``."""
     payload = body if isinstance(body, bytes) else b"" if body is None else json.dumps(body).encode()
     disconnected = asyncio.Event()
     pending = [{"type": "http.request", "body": payload, "more_body": False}]
@@ -124,7 +125,7 @@ async def request(app: Any, method: str, path: str, body: Any = None,
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
         "scheme": "http", "path": path, "raw_path": path.encode(), "root_path": "",
-        "query_string": b"", "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
+        "query_string": query.encode(), "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 80),
         "headers": [(b"content-type", content_type.encode()),
                     (b"content-length", str(len(payload)).encode())],
         "state": {},

@@ -7,6 +7,8 @@ validation messages, status codes, Anthropic error objects and SSE framing.
 
 Outputs:
 - a JSON response: one item, the response object (an error body when the status is 4xx/5xx);
+- any other response (``encoding_format: "bytes"`` embeddings, ...): one item, the answer in a
+  ``body_envelope.Envelope`` (body in base64, content type, headers);
 - a stream: batches of SSE events (``BatchSize`` growth, worker defaults overridable per job; the
   events vLLM sends before any output ride with the first token);
   with ``RAW_OPENAI_OUTPUT`` on, each batch is the events' text joined, ``[DONE]`` included;
@@ -26,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from asgi_client import Response, request
 from batching import Batches, BatchSize, job_batch_size
+from body_envelope import Envelope, is_json
 from error_types import is_anthropic_route
 from errors import ErrorPayload, anthropic_error, create_error_response, error_response
 from forms import form_body
 from job_input import JobInput
-from routes import DENIED, RouteTable
+from routes import DENIED, WORKER_LOCAL, Route, RouteTable
 from settings import WorkerSettings
 from sse import EventSplitter, data_json
 from vllm_adapter import build_openai_app
@@ -43,24 +46,39 @@ log = logging.getLogger(__name__)
 __all__ = ["OpenAIvLLMEngine"]
 
 
-def _json_item(status: int, body: bytes, *, anthropic: bool) -> Any:
-    """A JSON response as the job's item; errors stay errors for the runpod SDK.
+def _answer_item(response: Response, body: bytes, route: Route) -> Any:
+    """A whole (not streamed) answer as the job's item: its JSON, or a non-JSON answer in an
+    ``Envelope``; errors stay errors for the runpod SDK."""
+    if response.status < 400 and body and not is_json(response.headers.get("content-type", "")):
+        return Envelope.of(response.status, response.headers, body).output()
+    try:
+        content = json.loads(body) if body else {}
+    except ValueError:
+        if response.status < 400:
+            return Envelope.of(response.status, response.headers, body).output()
+        content = {"detail": body.decode(errors="replace")}
+    if response.status < 400:
+        return content
+    return _error_item(response.status, content, route)
+
+
+def _error_item(status: int, content: Any, route: Route) -> Any:
+    """vLLM's error answer in the route's dialect.
 
     Anthropic routes always answer Anthropic's error object: vLLM itself does so for serving
     errors but answers request-validation errors in OpenAI's shape.
     """
-    try:
-        content = json.loads(body) if body else {}
-    except ValueError:
-        content = {"detail": body.decode(errors="replace")}
-    if status < 400:
-        return content
     error = content.get("error") if isinstance(content, dict) else None
     if isinstance(error, str):  # e.g. vLLM's {"error": "Unauthorized"}
         error = {"message": error}
     message = (error.get("message") if isinstance(error, dict) else None) or str(
         content.get("detail") if isinstance(content, dict) else content)
-    if anthropic:
+    if status == HTTPStatus.NOT_FOUND and (note := WORKER_LOCAL.get(route.path)):
+        message = f"{message} ({note})"
+        if isinstance(error, dict):
+            error = {**error, "message": message}
+            content = {**content, "error": error}
+    if route.anthropic:
         return anthropic_error(status, message)
     if isinstance(error, dict) and "type" in error:
         return ErrorPayload(content)  # vLLM's own error body, as it is
@@ -149,8 +167,9 @@ class OpenAIvLLMEngine:
                               anthropic=is_anthropic_route(route))
 
     async def _generate(self, job: JobInput) -> AsyncIterator[Any]:
-        if (route := self.routes.find(job.openai_route)) is None:
-            yield self._route_error(job.openai_route)
+        path, _, query = job.openai_route.partition("?")  # RunPod relays the query string too
+        if (route := self.routes.find(path)) is None:
+            yield self._route_error(path)
             return
         body, content_type = job.openai_input, "application/json"
         method = job.method or route.method_for(body)
@@ -160,11 +179,11 @@ class OpenAIvLLMEngine:
             body, content_type = form_body(body or {})
         else:
             body = body or {}
-        path = self.routes.vllm_path(job.openai_route)
-        async with request(self.app, method, path, body, content_type) as response:
+        async with request(self.app, method, self.routes.vllm_path(path), body, content_type,
+                           query=query) as response:
             if not response.is_event_stream:
                 content = b"".join([chunk async for chunk in response.body])
-                yield _json_item(response.status, content, anthropic=route.anthropic)
+                yield _answer_item(response, content, route)
                 return
             size = job_batch_size(job, self.settings)
             async for batch in _event_batches(response, size, route.preamble(job.openai_input)):

@@ -28,7 +28,7 @@ from starlette.routing import compile_path
 
 from error_types import is_anthropic_route
 
-__all__ = ["DENIED", "REVIEWED", "Route", "RouteTable", "unclassified_routes"]
+__all__ = ["DENIED", "REVIEWED", "WORKER_LOCAL", "Route", "RouteTable", "unclassified_routes"]
 
 _OPERATIONAL = "operational: RunPod monitors and scales the worker itself"
 _ADMIN = "changes or inspects the server for every user: a job must not"
@@ -78,6 +78,12 @@ REVIEWED: frozenset[str] = frozenset({
     # speech-to-text models (form uploads)
     "/v1/audio/transcriptions", "/v1/audio/translations",
 })
+
+# Routes whose answer depends on state one worker holds in memory: their 404s say so.
+_STORED = ("stored responses (VLLM_ENABLE_RESPONSES_API_STORE) live in the memory of the worker "
+           "that created them; on an endpoint with several workers this job may have reached another")
+WORKER_LOCAL: Mapping[str, str] = {"/v1/responses/{response_id}": _STORED,
+                                   "/v1/responses/{response_id}/cancel": _STORED}
 
 # Events a stream sends before any output: a chat stream's role chunk per choice, Anthropic's
 # ``message_start``, the Responses API's ``created`` and ``in_progress``.

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -168,16 +169,38 @@ whisper_openai = _openai_fixture("whisper_engine", "module")
 vlm_openai = _openai_fixture("vlm_engine", "module")
 
 
-@pytest.fixture(scope="session")
-def tiny_scale_out_openai(tiny_engine):
-    """The tiny engine's app with vLLM's scale-out (render, token-in) routes on: ENABLE_SCALE_OUT."""
+# What the opt-in app turns on: vLLM's flags for routes it serves only when asked, and the env
+# var of its responses store (read when the serving classes are built).
+OPT_IN_FLAGS = {"enable_scale_out": True, "enable_tokenizer_info_endpoint": True}
+OPT_IN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+
+
+def opt_in_app(engine):
+    """An OpenAIvLLMEngine over ``engine`` with the opt-in routes on (see OPT_IN_FLAGS/OPT_IN_ENV)."""
     import copy
 
     from openai_engine import OpenAIvLLMEngine
 
-    namespace = copy.copy(tiny_engine.config.args.namespace)
-    namespace.enable_scale_out = True
-    return OpenAIvLLMEngine(tiny_engine, namespace)
+    namespace = copy.copy(engine.config.args.namespace)
+    for flag, value in OPT_IN_FLAGS.items():
+        setattr(namespace, flag, value)
+    saved = {name: os.environ.get(name) for name in OPT_IN_ENV}
+    os.environ.update(OPT_IN_ENV)
+    try:
+        return OpenAIvLLMEngine(engine, namespace)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="session")
+def tiny_opt_in_openai(tiny_engine):
+    """The tiny engine's app with the opt-in routes: scale-out (render, token-in), tokenizer_info
+    and the responses store (GET and cancel by id)."""
+    return opt_in_app(tiny_engine)
 
 
 def cosine(a, b) -> float:

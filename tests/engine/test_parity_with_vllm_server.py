@@ -4,18 +4,22 @@ aside) what vLLM's own HTTP server answers, on the same model with the same flag
 from __future__ import annotations
 
 import pytest
+from conftest import OPT_IN_ENV, OPT_IN_FLAGS
 from vllm_server import canonical_stream, normalize, parse_sse, vllm_servers
+
+from body_envelope import Envelope
 
 
 @pytest.fixture(scope="module")
 def servers(tiny_env, minilm_env, tmp_path_factory):
-    # Scale-out (render, token-in) routes on for the tiny model; the worker has its own engine for them.
-    envs = {"tiny": {**tiny_env, "ENABLE_SCALE_OUT": "true"}, "minilm": minilm_env}
+    # The opt-in routes on for the tiny model (the worker serves them from a second app, OPT_IN).
+    opt_in = {flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}
+    envs = {"tiny": {**tiny_env, **opt_in, **OPT_IN_ENV}, "minilm": minilm_env}
     with vllm_servers(envs, tmp_path_factory.mktemp("vllm-serve")) as clients:
         yield clients
 
 
-TINY, SCALE_OUT, MINILM = "tiny", "tiny-scale-out", "minilm"
+TINY, OPT_IN, MINILM = "tiny", "tiny-opt-in", "minilm"
 CHAT = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 12, "temperature": 0}
 QUERY, DOCUMENTS = "What is the capital of France?", ["Bananas are yellow.", "Paris is the capital."]
 CASES = [
@@ -38,10 +42,10 @@ CASES = [
     (TINY, "POST", "/v1/chat/completions/batch",
      {"messages": [CHAT["messages"], [{"role": "user", "content": "Hi"}]], "max_tokens": 6,
       "temperature": 0}),
-    (SCALE_OUT, "POST", "/v1/chat/completions/render", {"messages": CHAT["messages"]}),
-    (SCALE_OUT, "POST", "/v1/completions/render", {"prompt": "Once upon a time"}),
-    (SCALE_OUT, "POST", "/v1/messages/render", {"messages": CHAT["messages"], "max_tokens": 5}),
-    (SCALE_OUT, "POST", "/inference/v1/generate",
+    (OPT_IN, "POST", "/v1/chat/completions/render", {"messages": CHAT["messages"]}),
+    (OPT_IN, "POST", "/v1/completions/render", {"prompt": "Once upon a time"}),
+    (OPT_IN, "POST", "/v1/messages/render", {"messages": CHAT["messages"], "max_tokens": 5}),
+    (OPT_IN, "POST", "/inference/v1/generate",
      {"token_ids": [5, 6, 7, 8], "sampling_params": {"max_tokens": 6, "temperature": 0}}),
     (MINILM, "POST", "/v1/embeddings", {"input": ["The capital of France is Paris.", "Hello"]}),
     (MINILM, "POST", "/pooling", {"input": "The capital of France is Paris."}),
@@ -50,13 +54,17 @@ CASES = [
     (MINILM, "POST", "/rerank", {"query": QUERY, "documents": DOCUMENTS, "top_n": 1}),
     (MINILM, "POST", "/v2/rerank", {"query": QUERY, "documents": DOCUMENTS}),
     (MINILM, "POST", "/v2/embed", {"texts": [QUERY], "embedding_types": ["float"]}),
+    (MINILM, "POST", "/v1/embeddings", {"input": [QUERY, "Hello"], "encoding_format": "bytes"}),
+    (MINILM, "POST", "/v1/embeddings", {"input": [QUERY, "Hello"], "encoding_format": "bytes_only"}),
+    (OPT_IN, "GET", "/tokenizer_info", None),
 ]
 STREAMABLE = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}
 
 
 def case_id(case) -> str:
     model, _, route, body = case
-    return f"{model}{route}" + (f"-{body['model']}" if body and "model" in body else "")
+    return f"{model}{route}" + "".join(f"-{body[key]}" for key in ("model", "encoding_format")
+                                       if body and key in body)
 
 
 PARAMS = [pytest.param(case, stream, id=f"{case_id(case)}-{'stream' if stream else 'json'}")
@@ -64,8 +72,8 @@ PARAMS = [pytest.param(case, stream, id=f"{case_id(case)}-{'stream' if stream el
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_openai, tiny_scale_out_openai, minilm_openai):
-    return {TINY: tiny_openai, SCALE_OUT: tiny_scale_out_openai, MINILM: minilm_openai}
+def workers(tiny_openai, tiny_opt_in_openai, minilm_openai):
+    return {TINY: tiny_openai, OPT_IN: tiny_opt_in_openai, MINILM: minilm_openai}
 
 
 @pytest.mark.parametrize(("case", "stream"), PARAMS)
@@ -75,12 +83,39 @@ def test_worker_answers_as_vllm_serve(servers, workers, run_openai, case, stream
     if body is not None:
         body = {"model": worker.served_model_name, **body, **({"stream": True} if stream else {})}
     items = run_openai(worker, route, body)
-    http = servers[model.removesuffix("-scale-out")].request(method, route, json=body)
+    http = servers[model.removesuffix("-opt-in")].request(method, route, json=body)
     if stream and http.headers["content-type"].startswith("text/event-stream"):
         assert all(isinstance(item, str) for item in items)
         assert canonical_stream(parse_sse("".join(items))) == canonical_stream(parse_sse(http.text))
+    elif envelope := Envelope.from_output(items[0]):  # a binary answer, carried whole
+        assert (envelope.status, envelope.content_type) == (http.status_code, http.headers["content-type"])
+        assert envelope.body == http.content and len(http.content) > 1000
+        assert envelope.headers.get("metadata") == http.headers.get("metadata")
     else:
         (item,) = items
         assert normalize(item) == normalize(http.json())
         if http.status_code >= 400:
             assert item["error"]["code"] == http.status_code
+
+
+def test_stored_responses_answer_as_vllm_serve(servers, tiny_opt_in_openai, run_openai):
+    """Retrieve, replay and cancel by id, each side with the id it gave; an unknown id is vLLM's 404,
+    with the worker's note that the store is one worker's."""
+    worker, server = tiny_opt_in_openai, servers["tiny"]
+    body = {"model": worker.served_model_name, "input": "Tell me a story", "max_output_tokens": 8,
+            "temperature": 0}
+    (mine,) = run_openai(worker, "/v1/responses", body)
+    theirs = server.post("/v1/responses", json=body).json()
+    assert normalize(mine) == normalize(theirs)
+    for suffix, method in (("", "GET"), ("?stream=true", "GET"), ("/cancel", "POST")):
+        items = run_openai(worker, f"/v1/responses/{mine['id']}{suffix}", method=method)
+        http = server.request(method, f"/v1/responses/{theirs['id']}{suffix}")
+        if suffix == "?stream=true":
+            assert canonical_stream(parse_sse("".join(items))) == canonical_stream(parse_sse(http.text))
+        else:
+            assert normalize(items[0]) == normalize(http.json())
+    (missing,) = run_openai(worker, "/v1/responses/resp_missing", method="GET")
+    http = server.get("/v1/responses/resp_missing")
+    assert http.status_code == missing["error"]["code"] == 404
+    assert missing["error"]["message"].startswith(http.json()["error"]["message"])
+    assert "another" in missing["error"]["message"]

@@ -21,7 +21,7 @@ def model_of(served) -> str:
 
 # --- the route table ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("served", ["tiny_openai", "minilm_openai", "tiny_scale_out_openai"])
+@pytest.mark.parametrize("served", ["tiny_openai", "minilm_openai", "tiny_opt_in_openai"])
 def test_every_route_of_the_app_is_reviewed_and_served_unless_denied(request, served):
     served = request.getfixturevalue(served)
     assert unclassified_routes(served.app) == []
@@ -114,13 +114,13 @@ def test_pooling_and_cohere_embed_give_the_embedding(minilm_openai, run_openai):
     assert cosine(cohere["embeddings"]["float"][0], expected) > 0.9999
 
 
-def test_render_routes_give_the_tokens_generation_would_use(tiny_scale_out_openai, run_openai):
-    model = model_of(tiny_scale_out_openai)
+def test_render_routes_give_the_tokens_generation_would_use(tiny_opt_in_openai, run_openai):
+    model = model_of(tiny_opt_in_openai)
     messages = [{"role": "user", "content": QUERY}]
-    (rendered,) = run_openai(tiny_scale_out_openai, "/v1/chat/completions/render",
+    (rendered,) = run_openai(tiny_opt_in_openai, "/v1/chat/completions/render",
                              {"model": model, "messages": messages})
-    (tokenized,) = run_openai(tiny_scale_out_openai, "/tokenize", {"model": model, "messages": messages})
-    (chat,) = run_openai(tiny_scale_out_openai, "/v1/chat/completions",
+    (tokenized,) = run_openai(tiny_opt_in_openai, "/tokenize", {"model": model, "messages": messages})
+    (chat,) = run_openai(tiny_opt_in_openai, "/v1/chat/completions",
                          {"model": model, "messages": messages, "max_tokens": 1})
     assert rendered_ids(rendered) == tokenized["tokens"]
     assert len(tokenized["tokens"]) == chat["usage"]["prompt_tokens"]
@@ -132,13 +132,72 @@ def rendered_ids(rendered) -> list[int]:
     return request["token_ids"]
 
 
-def test_tokens_in_generation_continues_the_given_tokens(tiny_scale_out_openai, run_openai):
-    model = model_of(tiny_scale_out_openai)
-    (tokenized,) = run_openai(tiny_scale_out_openai, "/tokenize", {"model": model, "prompt": "Once upon"})
+def test_tokens_in_generation_continues_the_given_tokens(tiny_opt_in_openai, run_openai):
+    model = model_of(tiny_opt_in_openai)
+    (tokenized,) = run_openai(tiny_opt_in_openai, "/tokenize", {"model": model, "prompt": "Once upon"})
     body = {"model": model, "token_ids": tokenized["tokens"],
             "sampling_params": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}}
-    (generated,) = run_openai(tiny_scale_out_openai, "/inference/v1/generate", body)
-    (completion,) = run_openai(tiny_scale_out_openai, "/v1/completions",
+    (generated,) = run_openai(tiny_opt_in_openai, "/inference/v1/generate", body)
+    (completion,) = run_openai(tiny_opt_in_openai, "/v1/completions",
                                {"model": model, "prompt": tokenized["tokens"], "max_tokens": 5,
                                 "temperature": 0, "ignore_eos": True, "return_token_ids": True})
     assert generated["choices"][0]["token_ids"] == completion["choices"][0]["token_ids"]
+
+
+# --- answers that are not JSON, routes with parameters, opt-in routes ---------------------------
+
+def test_bytes_embeddings_travel_intact_in_an_envelope(minilm_openai, run_openai):
+    import base64
+    import json as json_module
+    import struct
+
+    model = model_of(minilm_openai)
+    (floats,) = run_openai(minilm_openai, "/v1/embeddings", {"model": model, "input": [QUERY, "Hi"]})
+    for encoding in ("bytes", "bytes_only"):
+        (item,) = run_openai(minilm_openai, "/v1/embeddings",
+                             {"model": model, "input": [QUERY, "Hi"], "encoding_format": encoding})
+        answer = item["http_response"]
+        assert answer["status"] == 200 and answer["content_type"] == "application/octet-stream"
+        raw = base64.b64decode(answer["body_base64"])
+        assert len(raw) == 2 * 384 * 4  # float32, little endian (vLLM's default)
+        values = struct.unpack(f"<{2 * 384}f", raw)
+        for i, expected in enumerate(d["embedding"] for d in floats["data"]):
+            assert cosine(values[i * 384:(i + 1) * 384], expected) > 0.9999
+        assert ("metadata" in answer["headers"]) == (encoding == "bytes")
+        if encoding == "bytes":
+            assert len(json_module.loads(answer["headers"]["metadata"])["data"]) == 2
+
+
+def test_the_batch_route_answers_one_choice_per_conversation(tiny_openai, run_openai):
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    (batch,) = run_openai(tiny_openai, "/v1/chat/completions/batch",
+                          {"model": model_of(tiny_openai), "messages": conversations, "max_tokens": 3,
+                           "ignore_eos": True, "temperature": 0})
+    assert [choice["index"] for choice in batch["choices"]] == [0, 1]
+    assert batch["usage"]["completion_tokens"] == 6
+
+
+def test_tokenizer_info_is_reachable_under_v1(tiny_opt_in_openai, run_openai):
+    (info,) = run_openai(tiny_opt_in_openai, "/v1/tokenizer_info", method="GET")
+    (root,) = run_openai(tiny_opt_in_openai, "/tokenizer_info", method="GET")
+    assert info == root and info["tokenizer_class"]
+
+
+def test_stored_responses_are_retrieved_replayed_and_cancelled_by_id(tiny_opt_in_openai, run_openai):
+    body = {"model": model_of(tiny_opt_in_openai), "input": "Hello", "max_output_tokens": 4,
+            "temperature": 0}
+    (created,) = run_openai(tiny_opt_in_openai, "/v1/responses", body)
+    route = f"/v1/responses/{created['id']}"
+    (retrieved,) = run_openai(tiny_opt_in_openai, route, method="GET")
+    assert retrieved["id"] == created["id"] and retrieved["output"] == created["output"]
+    replay = "".join(run_openai(tiny_opt_in_openai, route + "?stream=true", method="GET"))
+    assert "response.completed" in replay and created["id"] in replay
+    (cancelled,) = run_openai(tiny_opt_in_openai, route + "/cancel")
+    assert "error" in cancelled and cancelled["error"]["code"] == 400  # not a background response
+
+
+def test_an_unknown_stored_response_says_it_may_live_on_another_worker(tiny_opt_in_openai, run_openai):
+    for route in ("/v1/responses/resp_unknown", "/v1/responses/resp_unknown/cancel"):
+        (item,) = run_openai(tiny_opt_in_openai, route, method="GET" if "cancel" not in route else None)
+        assert item["error"]["code"] == 404
+        assert "resp_unknown" in item["error"]["message"] and "another" in item["error"]["message"]

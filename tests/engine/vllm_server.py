@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -38,7 +39,10 @@ def vllm_servers(envs: dict[str, dict[str, str]], folder: Path) -> Iterator[dict
         log, uds = folder / f"{name}.log", folder / f"{name}.sock"
         argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", *resolve_args(env).serve_argv(),
                 "--uds", str(uds)]
-        procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT), log))
+        # vLLM's own env vars (VLLM_ENABLE_RESPONSES_API_STORE, ...) are the process's, as for the worker.
+        process_env = {**os.environ, **{k: v for k, v in env.items() if k.startswith("VLLM_")}}
+        procs.append((subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=process_env),
+                      log))
         servers[name] = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://vllm",
                                      timeout=120)
     try:
