@@ -123,7 +123,7 @@ class Supervisor:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    store = JobStore()
+    store = JobStore(execution_timeout=args.execution_timeout or None)
     config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key)
     runner = web.AppRunner(create_app(config, store), handler_cancellation=True)  # client gone: stop its job
     await runner.setup()
@@ -159,6 +159,9 @@ def main() -> None:
     parser.add_argument("--endpoint-id", default="local")
     parser.add_argument("--handler", default=HANDLER, type=lambda path: Path(path).resolve(),
                         help="the worker script each worker process runs (default: the vLLM worker)")
+    parser.add_argument("--execution-timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="stop a job in progress longer than this, as RunPod's endpoint setting "
+                             "(default: 600, RunPod's default; 0: no limit)")
     parser.add_argument("--api-key", default=os.environ.get("ENDPOINT_API_KEY"),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     asyncio.run(serve(parser.parse_args()))

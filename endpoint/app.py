@@ -2,8 +2,10 @@
 
 Client face, as RunPod's serverless API: ``POST run``, ``POST runsync``, ``GET stream/<id>``,
 ``GET status/<id>``, ``POST cancel/<id>``, ``GET health``, ``POST purge-queue`` and
-``POST|GET openai/v1/<route>`` (a job ``{"openai_route", "openai_input"}``, answered as JSON or,
-for ``"stream": true``, as ``text/event-stream`` relayed chunk by chunk).
+``POST|GET openai/v1/<route>`` (a job ``{"openai_route", "openai_input"}``, the query string
+included in the route, answered as JSON, as the non-JSON answer a ``body_envelope`` item carries,
+or, for ``"stream": true``, as ``text/event-stream`` relayed chunk by chunk); any other path under
+``openai/`` is a 404, as RunPod relays nothing else.
 
 Worker face, RunPod's job protocol, which the real ``runpod.serverless.start`` loop speaks:
 ``GET job-take/<worker>``, ``GET job-take-batch/<worker>``, ``POST job-stream/<worker>/<job>``,
@@ -19,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from body_envelope import Envelope
 from error_types import anthropic_status, anthropic_type, is_anthropic_route, openai_type
 from sse import frame
 
@@ -28,13 +31,15 @@ __all__ = ["EndpointConfig", "create_app"]
 
 # How long an idle job-take or job-stop request is held open (the SDK re-polls at once).
 LONG_POLL_SECONDS = 3.0
+# How FastAPI reads a bool query parameter such as vLLM's ``GET /v1/responses/{id}?stream=true``.
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 
 @dataclass(frozen=True)
 class EndpointConfig:
     endpoint_id: str = "local"
     api_key: str | None = None
     max_body_bytes: int = 20 * 2**20  # RunPod's /runsync payload limit
-    runsync_wait_seconds: float = 90.0
+    runsync_wait_seconds: float = 90.0  # /runsync only: OpenAI routes wait for their job
     stream_wait_seconds: float = 10.0
     worker_alive_seconds: float = 30.0
 
@@ -43,13 +48,19 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
+def _error_body(status: int, message: str, anthropic: bool) -> dict[str, Any]:
     if anthropic:
-        body = {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
-    else:
-        body = {"error": {"message": message, "type": openai_type(status), "param": None,
-                          "code": status}}
-    return web.json_response(body, status=status)
+        return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
+    return {"error": {"message": message, "type": openai_type(status), "param": None, "code": status}}
+
+
+def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
+    return web.json_response(_error_body(status, message, anthropic), status=status)
+
+
+def _error_event(status: int, message: str, anthropic: bool) -> str:
+    """An error inside a started stream, as vLLM sends it (Anthropic's SDK reads ``event: error``)."""
+    return ("event: error\n" if anthropic else "") + frame(_error_body(status, message, anthropic))
 
 
 def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
@@ -69,6 +80,23 @@ def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
         return web.json_response({"type": "error", "error": error},
                                  status=anthropic_status(error.get("type")))
     return web.json_response({"error": error}, status=int(error.get("code") or 500))
+
+
+def _unanswered(job: Job, anthropic: bool) -> web.Response:
+    """A final job without an answer (failed, timed out or cancelled) as an HTTP error."""
+    if job.status is Status.FAILED:
+        return _failed_job_response(job, anthropic)
+    if job.status is Status.TIMED_OUT:
+        return _openai_error(504, job.error, anthropic)
+    return _openai_error(500, f"the job was {job.status.lower()}", anthropic)
+
+
+def _http_answer(output: Any) -> web.Response:
+    """A completed job's answer: vLLM's JSON, or the non-JSON HTTP answer an envelope carries."""
+    if (envelope := Envelope.from_output(output)) is None:
+        return web.json_response(output)
+    return web.Response(status=envelope.status, body=envelope.body,
+                        headers={**envelope.headers, "Content-Type": envelope.content_type})
 
 
 def _sse(chunk: Any) -> str:
@@ -153,43 +181,53 @@ class Endpoint:
         return web.json_response({"removed": await self.store.purge(), "status": "completed"})
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
+        """As RunPod's gateway: the request as a job, its answer as vLLM's HTTP answer. No wait
+        limit here: a job that runs too long ends at the store's execution timeout."""
         route = "/v1/" + request.match_info["route"]
         anthropic = is_anthropic_route(route)
         body = await self._body(request) if request.method == "POST" else None
         if body is not None and not isinstance(body, dict):
             return _openai_error(400, "the request body must be a JSON object", anthropic)
+        # Raw (still percent-encoded): the worker splits it off and hands it to vLLM as it came.
+        if query := request.rel_url.raw_query_string:
+            route += "?" + query
+        # A GET has no body: vLLM reads ``stream`` from its query (a stored response, streamed).
+        stream = (bool(body.get("stream")) if body is not None
+                  else request.query.get("stream", "").lower() in _TRUE)
         job = await self.store.submit({"openai_route": route, "openai_input": body})
         try:
-            return await self._answer(request, job, anthropic, stream=bool(body and body.get("stream")))
+            return await self._answer(request, job, anthropic, stream)
         finally:  # the client left (aiohttp cancels this handler) or the answer is sent
             if not job.final:
                 await asyncio.shield(self.store.cancel(job.id))
+
+    async def openai_unrelayed(self, request: web.Request) -> web.Response:
+        return _openai_error(
+            404, f"/openai/{request.match_info['rest']} is not relayed: RunPod relays only "
+            "/openai/v1/<route>; vLLM's root routes are reachable as /v1/<name> (e.g. "
+            "/openai/v1/pooling)", anthropic=False)
 
     async def _answer(self, request: web.Request, job: Job, anthropic: bool,
                       stream: bool) -> web.StreamResponse:
         if stream:
             return await self._relay_stream(request, job, anthropic)
-        await self.store.wait_for(lambda: job.final, self.config.runsync_wait_seconds)
-        if job.status is Status.COMPLETED:
-            output = job.output[0] if isinstance(job.output, list) and job.output else job.output
-            return web.json_response(output)
-        if job.status is Status.FAILED:
-            return _failed_job_response(job, anthropic)
-        return _openai_error(504, f"no answer within {self.config.runsync_wait_seconds:.0f} s", anthropic)
+        await self.store.wait_for(lambda: job.final)
+        if job.status is not Status.COMPLETED:
+            return _unanswered(job, anthropic)
+        return _http_answer(job.output[0] if isinstance(job.output, list) and job.output else job.output)
 
     async def _relay_stream(self, request: web.Request, job: Job, anthropic: bool) -> web.StreamResponse:
         """SSE chunks as the worker posts them; an error before the first chunk is an HTTP error."""
-        await self.store.wait_for(lambda: job.final or job.chunks, self.config.runsync_wait_seconds)
-        if job.status is Status.FAILED and not job.chunks:
-            return _failed_job_response(job, anthropic)
+        await self.store.wait_for(lambda: job.final or job.chunks)
+        if not job.chunks and job.status is not Status.COMPLETED:
+            return _unanswered(job, anthropic)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
         await response.prepare(request)
         sent = 0
         try:
             while True:
-                await self.store.wait_for(lambda seen=sent: job.final or len(job.chunks) > seen,
-                                          self.config.runsync_wait_seconds)
+                await self.store.wait_for(lambda seen=sent: job.final or len(job.chunks) > seen)
                 for chunk in job.chunks[sent:]:
                     await response.write(_sse(chunk).encode())
                 sent = len(job.chunks)
@@ -197,6 +235,8 @@ class Endpoint:
                     break
             if job.status is Status.FAILED:
                 await response.write(frame({"error": job.error}).encode())
+            elif job.status is Status.TIMED_OUT:
+                await response.write(_error_event(504, job.error, anthropic).encode())
             await response.write_eof()
         except ConnectionResetError:  # the client left; the caller stops the job
             pass
@@ -249,6 +289,7 @@ def create_app(config: EndpointConfig | None = None, store: JobStore | None = No
         web.get(f"{base}/health", endpoint.health),
         web.post(f"{base}/purge-queue", endpoint.purge_queue),
         web.route("*", f"{base}/openai/v1/{{route:.+}}", endpoint.openai),
+        web.route("*", f"{base}/openai/{{rest:.*}}", endpoint.openai_unrelayed),  # the rest of openai/
         web.get(f"{base}/job-take/{{worker}}", endpoint.job_take),
         web.get(f"{base}/job-take-batch/{{worker}}", endpoint.job_take),
         web.post(f"{base}/job-stream/{{worker}}/{{job_id}}", endpoint.job_stream),

@@ -1,9 +1,10 @@
 """The job store of the local endpoint: queue, states, stream buffers, stop signals. No HTTP.
 
 A job goes IN_QUEUE → IN_PROGRESS (taken by exactly one worker) → COMPLETED | FAILED, or to
-CANCELLED from either of the first two; a cancelled job in progress is also put on its worker's
-stop list, and whatever that worker reports for it afterwards is ignored. Waiters (long polls,
-``runsync``, streams) sleep on one condition that every change notifies.
+CANCELLED from either of the first two, or to TIMED_OUT when it stays IN_PROGRESS longer than the
+execution timeout (RunPod's endpoint setting). A job cancelled or timed out in progress is also put
+on its worker's stop list, and whatever that worker reports for it afterwards is ignored. Waiters
+(long polls, ``runsync``, streams) sleep on one condition that every change notifies.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ class Status(enum.StrEnum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    TIMED_OUT = "TIMED_OUT"
 
 
-FINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED})
+FINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.CANCELLED, Status.TIMED_OUT})
 
 
 @dataclass
@@ -67,21 +69,23 @@ class Job:
 
 
 class JobStore:
-    def __init__(self) -> None:
+    def __init__(self, execution_timeout: float | None = 600.0) -> None:
+        self.execution_timeout = execution_timeout  # seconds IN_PROGRESS; None: no limit
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
         self.stops: dict[str, set[str]] = {}  # worker → jobs it must stop
         self.workers: dict[str, float] = {}  # worker → last time it called in
         self.gone: set[str] = set()  # workers whose process exited: never alive again
         self.counts = {status: 0 for status in FINAL}
+        self._deadlines: dict[str, asyncio.Task] = {}  # job in progress → its execution timeout
         self._changed = asyncio.Condition()
 
     async def _notify(self) -> None:
         async with self._changed:
             self._changed.notify_all()
 
-    async def wait_for(self, predicate, timeout: float) -> bool:
-        """Wait until ``predicate()`` holds (True) or ``timeout`` passes (False)."""
+    async def wait_for(self, predicate, timeout: float | None = None) -> bool:
+        """Wait until ``predicate()`` holds (True) or ``timeout`` passes (False; None: no limit)."""
         async with self._changed:
             try:
                 await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
@@ -116,8 +120,31 @@ class JobStore:
         while self.queue and len(taken) < count:
             job = self.jobs[self.queue.popleft()]
             job.status, job.worker, job.started = Status.IN_PROGRESS, worker, time.monotonic()
+            if self.execution_timeout is not None:
+                self._deadlines[job.id] = asyncio.create_task(self._expire(job, self.execution_timeout))
             taken.append(job)
         return taken
+
+    async def _expire(self, job: Job, after: float) -> None:
+        """Time a job out ``after`` seconds in progress (unless it ends first: this task is cancelled)."""
+        await asyncio.sleep(after)
+        del self._deadlines[job.id]  # first: _end cancels the deadline it finds, and this is it
+        job.error = (f"the job ran longer than the endpoint's execution timeout of {after:g} s and "
+                     "was stopped (python -m endpoint --execution-timeout SECONDS; 0: no limit)")
+        self._stop(job)
+        self._end(job, Status.TIMED_OUT)
+        await self._notify()
+
+    def _stop(self, job: Job) -> None:
+        """Put a job in progress on its worker's stop list (the runpod SDK then cancels it)."""
+        self.stops.setdefault(job.worker, set()).add(job.id)
+
+    def _end(self, job: Job, status: Status) -> None:
+        """Make a job final (the caller notifies the waiters)."""
+        job.status, job.finished = status, time.monotonic()
+        self.counts[status] += 1
+        if deadline := self._deadlines.pop(job.id, None):
+            deadline.cancel()
 
     def _reported(self, job_id: str, worker: str) -> Job | None:
         """The job a worker reports on, unless it is no longer that worker's to report."""
@@ -139,11 +166,11 @@ class JobStore:
         if not (job := self._reported(job_id, worker)):
             return
         if result.get("error") is not None:
-            job.status, job.error = Status.FAILED, result["error"]
+            job.error = result["error"]
+            self._end(job, Status.FAILED)
         else:
-            job.status, job.output = Status.COMPLETED, result.get("output")
-        job.finished = time.monotonic()
-        self.counts[job.status] += 1
+            job.output = result.get("output")
+            self._end(job, Status.COMPLETED)
         await self._notify()
 
     async def cancel(self, job_id: str) -> Job | None:
@@ -153,9 +180,8 @@ class JobStore:
         if job.status is Status.IN_QUEUE:
             self.queue.remove(job.id)
         else:
-            self.stops.setdefault(job.worker, set()).add(job.id)
-        job.status, job.finished = Status.CANCELLED, time.monotonic()
-        self.counts[Status.CANCELLED] += 1
+            self._stop(job)
+        self._end(job, Status.CANCELLED)
         await self._notify()
         return job
 
@@ -176,10 +202,9 @@ class JobStore:
         self.gone.add(worker)
         for job in self.jobs.values():
             if job.worker == worker and job.status is Status.IN_PROGRESS:
-                job.status, job.finished = Status.FAILED, time.monotonic()
                 job.error = json.dumps({"message": f"worker {worker} exited", "type": "WorkerLost",
                                         "param": None, "code": 500})
-                self.counts[Status.FAILED] += 1
+                self._end(job, Status.FAILED)
         await self._notify()
 
     def ping(self, worker: str) -> None:
@@ -189,8 +214,10 @@ class JobStore:
         now = time.monotonic()
         alive = {w for w, seen in self.workers.items() if now - seen <= alive_within}
         running = {j.worker for j in self.jobs.values() if j.status is Status.IN_PROGRESS}
+        # RunPod's answer has no field for timed-out jobs: they count as failed.
+        failed = self.counts[Status.FAILED] + self.counts[Status.TIMED_OUT]
         return {
-            "jobs": {"completed": self.counts[Status.COMPLETED], "failed": self.counts[Status.FAILED],
+            "jobs": {"completed": self.counts[Status.COMPLETED], "failed": failed,
                      "cancelled": self.counts[Status.CANCELLED], "inQueue": len(self.queue),
                      "inProgress": sum(j.status is Status.IN_PROGRESS for j in self.jobs.values()),
                      "retried": 0},

@@ -1,4 +1,5 @@
-"""The local endpoint's HTTP layer without workers: auth, limits, unknown ids, worker protocol."""
+"""The local endpoint's HTTP layer without workers (the tests play the worker over its job
+protocol): auth, limits, unknown ids, the OpenAI relay, execution timeouts."""
 
 import asyncio
 import json
@@ -8,17 +9,44 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from endpoint.app import EndpointConfig, create_app
+from endpoint.jobs import JobStore
 
 import handler
+import sse
+from body_envelope import Envelope
 from deadlines import DeadlinePassed
 from error_types import is_anthropic_route
 
+CHAT = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
 
-def with_client(scenario, **config):
+
+def with_client(scenario, execution_timeout=600.0, **config):
     async def run():
-        async with TestClient(TestServer(create_app(EndpointConfig(**config)))) as client:
+        app = create_app(EndpointConfig(**config), JobStore(execution_timeout))
+        async with TestClient(TestServer(app)) as client:
             return await scenario(client)
     return asyncio.run(run())
+
+
+async def take(client, worker="w1"):
+    """The next job, polled for as the runpod SDK's worker loop does."""
+    while (taken := await client.get(f"/v2/local/job-take/{worker}?gpu=x&job_in_progress=0")).status != 200:
+        pass
+    return await taken.json()
+
+
+async def post(client, kind, job, body, worker="w1"):
+    """job-stream or job-done, as the runpod SDK posts them."""
+    await client.post(f"/v2/local/{kind}/{worker}/{job['id']}?gpu=x", data=json.dumps(body))
+
+
+async def answered(request, worker):
+    """A client request's response, with the worker serving it meanwhile."""
+    serving = asyncio.ensure_future(worker)
+    try:
+        return await request
+    finally:
+        await serving
 
 
 def test_api_key_is_required_when_set():
@@ -83,28 +111,20 @@ def test_the_workers_own_errors_reach_the_sdks_with_their_status_and_dialect(
                                       anthropic=is_anthropic_route(route))
 
     async def worker(client):
-        while (taken := await client.get("/v2/local/job-take/w1?gpu=x&job_in_progress=0")).status != 200:
-            pass
-        job = await taken.json()
-        await client.post(f"/v2/local/job-done/w1/{job['id']}?gpu=x&isStream=false",
-                          data=json.dumps({"error": str(wording["error"])}))
+        await post(client, "job-done", await take(client), {"error": str(wording["error"])})
 
     async def scenario(client):
         base = f"http://127.0.0.1:{client.port}/v2/local/openai"
-        body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
         if is_anthropic_route(route):
             sdk = anthropic.AsyncAnthropic(base_url=base, api_key="k", max_retries=0)
-            call = sdk.messages.create(**body)
+            call = sdk.messages.create(**CHAT)
         else:
             sdk = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
-            call = sdk.chat.completions.create(**body)
-        serving = asyncio.ensure_future(worker(client))
+            call = sdk.chat.completions.create(**CHAT)
         try:
-            await call
+            await answered(call, worker(client))
         except (anthropic.APIStatusError, openai.APIStatusError) as exc:
             return exc
-        finally:
-            await serving
 
     error = with_client(scenario)
     assert error.status_code == status
@@ -113,3 +133,139 @@ def test_the_workers_own_errors_reach_the_sdks_with_their_status_and_dialect(
                                                          "message": wording["error"]["message"]}}
     else:
         assert error.body["code"] == status and error.body["message"] == wording["error"]["message"]
+
+
+@pytest.mark.parametrize(("status", "content_type", "body", "headers"), [
+    (200, "application/octet-stream", b"\x00\x00\x80?\xff", {"metadata": '{"shape": [1]}'}),
+    (202, "text/plain; charset=utf-8", "spoken words\n".encode(), {"x-request-id": "r1"})])
+def test_a_non_json_answer_reaches_the_client_as_vllm_sent_it(status, content_type, body, headers):
+    """An envelope item (the worker's form of a non-JSON answer) becomes that HTTP answer again."""
+    item = Envelope(status, content_type, body, headers).output()
+
+    async def worker(client):
+        await post(client, "job-done", await take(client), {"output": [item]})
+
+    async def scenario(client):
+        request = client.post("/v2/local/openai/v1/embeddings",
+                              json={"model": "m", "input": "x", "encoding_format": "bytes"})
+        response = await answered(request, worker(client))
+        return response.status, response.headers, await response.read()
+
+    got_status, got_headers, got_body = with_client(scenario)
+    assert (got_status, got_headers["Content-Type"], got_body) == (status, content_type, body)
+    assert all(got_headers[name] == value for name, value in headers.items())
+
+
+def test_paths_runpod_does_not_relay_get_an_openai_shaped_404():
+    async def scenario(client):
+        response = await client.post("/v2/local/openai/pooling", json={"model": "m", "input": "x"})
+        return response.status, await response.json()
+
+    status, body = with_client(scenario)
+    assert status == 404 and body["error"]["code"] == 404
+    assert "/openai/v1/<route>" in body["error"]["message"]
+    assert "/openai/v1/pooling" in body["error"]["message"]
+
+
+def test_the_query_string_reaches_the_job_route_as_sent():
+    seen = []
+
+    async def worker(client):
+        job = await take(client)
+        seen.append(job["input"])
+        await post(client, "job-done", job, {"output": [{"object": "list", "data": []}]})
+
+    async def scenario(client):
+        request = client.post("/v2/local/openai/v1/embeddings?user=a%26b&x=1", json={"input": "x"})
+        return (await answered(request, worker(client))).status
+
+    assert with_client(scenario) == 200
+    assert seen == [{"openai_route": "/v1/embeddings?user=a%26b&x=1", "openai_input": {"input": "x"}}]
+
+
+def test_a_get_with_stream_true_in_its_query_is_relayed_as_a_stream():
+    """vLLM's ``GET /v1/responses/{id}?stream=true`` replays a stored response as events."""
+    events = 'event: response.created\ndata: {"type": "response.created"}\n\n'
+    seen = []
+
+    async def worker(client):
+        job = await take(client)
+        seen.append(job["input"])
+        await post(client, "job-stream", job, {"output": events})
+        await post(client, "job-done", job, {"output": [events]})
+
+    async def scenario(client):
+        response = await answered(client.get("/v2/local/openai/v1/responses/resp_1?stream=true"),
+                                  worker(client))
+        return response.headers["Content-Type"], await response.text()
+
+    assert with_client(scenario) == ("text/event-stream", events)
+    assert seen == [{"openai_route": "/v1/responses/resp_1?stream=true", "openai_input": None}]
+
+
+def test_an_openai_request_waits_for_its_job_past_the_runsync_wait():
+    async def worker(client):
+        job = await take(client)
+        await asyncio.sleep(0.3)  # well past runsync_wait_seconds
+        await post(client, "job-done", job, {"output": [{"object": "chat.completion"}]})
+
+    async def scenario(client):
+        response = await answered(client.post("/v2/local/openai/v1/chat/completions", json=CHAT),
+                                  worker(client))
+        return response.status, await response.json()
+
+    assert with_client(scenario, runsync_wait_seconds=0.01) == (200, {"object": "chat.completion"})
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_a_job_past_the_execution_timeout_is_stopped_and_its_client_gets_a_504(route):
+    """The worker never answers: the job times out, its worker is told to stop it, and what the
+    worker reports for it afterwards is ignored."""
+    after = {}
+
+    async def worker(client):
+        job = await take(client)
+        stop = await client.get("/v2/local/job-stop/w1?gpu=x")  # held open until the timeout
+        after["stop"] = await stop.json()
+        await post(client, "job-done", job, {"output": [{"late": True}]})
+        after["status"] = await (await client.get(f"/v2/local/status/{job['id']}")).json()
+        after["id"] = job["id"]
+
+    async def scenario(client):
+        response = await answered(client.post(f"/v2/local/openai{route}", json=CHAT), worker(client))
+        health = await (await client.get("/v2/local/health")).json()
+        return response.status, await response.json(), health
+
+    status, body, health = with_client(scenario, execution_timeout=0.2)
+    assert status == 504
+    if is_anthropic_route(route):
+        assert body["type"] == "error" and body["error"]["type"] == "api_error"
+        message = body["error"]["message"]
+    else:
+        assert body["error"]["code"] == 504 and body["error"]["type"] == "InternalServerError"
+        message = body["error"]["message"]
+    assert "execution timeout of 0.2 s" in message and "--execution-timeout" in message
+    assert after["stop"] == {"jobsToStop": [after["id"]]}
+    assert after["status"]["status"] == "TIMED_OUT" and "output" not in after["status"]
+    assert health["jobs"]["failed"] == 1 and health["jobs"]["completed"] == 0
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/messages"])
+def test_a_started_stream_past_the_execution_timeout_ends_with_an_error_event(route):
+    first = 'data: {"object": "chat.completion.chunk"}\n\n'
+
+    async def worker(client):
+        await post(client, "job-stream", await take(client), {"output": first})
+
+    async def scenario(client):
+        request = client.post(f"/v2/local/openai{route}", json={**CHAT, "stream": True})
+        response = await answered(request, worker(client))
+        return response.status, await response.text()
+
+    status, text = with_client(scenario, execution_timeout=0.2)
+    assert status == 200 and text.startswith(first)
+    (name, data), = sse.parse(text[len(first):])
+    if is_anthropic_route(route):  # Anthropic's SDK raises on ``event: error``
+        assert name == "error" and json.loads(data)["error"]["type"] == "api_error"
+    else:
+        assert name is None and json.loads(data)["error"]["code"] == 504

@@ -1,4 +1,5 @@
-"""The local endpoint's job store: states, single hand-out, streams, cancellation (no HTTP)."""
+"""The local endpoint's job store: states, single hand-out, streams, cancellation, execution
+timeouts (no HTTP)."""
 
 import asyncio
 
@@ -118,3 +119,37 @@ def test_a_lost_worker_fails_its_jobs_and_leaves_the_health_count():
     job, before, after, late = run(scenario())
     assert before == {"idle": 0, "running": 1, "ready": 1} and after["ready"] == 0 and late == []
     assert job.status is Status.FAILED and "exited" in job.error
+
+
+def test_a_job_in_progress_past_the_execution_timeout_times_out_and_is_stopped():
+    async def scenario():
+        store = JobStore(execution_timeout=0.05)
+        job, queued = await store.submit({}), await store.submit({})
+        await store.take("w", 1, timeout=0)
+        await store.wait_for(lambda: job.final)
+        stops = await store.stop_signals("w", timeout=0)
+        await store.stream(job.id, "w", "late")
+        await store.finish(job.id, "w", {"output": ["late"]})
+        return store, job, queued, stops
+
+    store, job, queued, stops = run(scenario())
+    assert job.status is Status.TIMED_OUT and stops == [job.id] and job.chunks == []
+    assert job.public()["status"] == "TIMED_OUT" and "0.05 s" in job.public()["error"]
+    assert "output" not in job.public() and job.done_reports == 1
+    assert queued.status is Status.IN_QUEUE  # the timeout counts from the take
+    assert store.health(60)["jobs"]["failed"] == 1
+
+
+def test_a_job_that_ends_in_time_does_not_time_out_later():
+    async def scenario():
+        store = JobStore(execution_timeout=0.1)
+        done, cancelled = await store.submit({}), await store.submit({})
+        await store.take("w", 2, timeout=0)
+        await store.finish(done.id, "w", {"output": ["x"]})
+        await store.cancel(cancelled.id)
+        await asyncio.sleep(0.3)  # past the timeout: no timer left to fire
+        return store, done, cancelled, await store.stop_signals("w", timeout=0)
+
+    store, done, cancelled, stops = run(scenario())
+    assert (done.status, cancelled.status) == (Status.COMPLETED, Status.CANCELLED)
+    assert stops == [cancelled.id] and store.health(60)["jobs"]["failed"] == 0
