@@ -7,13 +7,14 @@ import json
 import os
 import re
 import socket
+import struct
 import time
 
 import anthropic
 import openai
 import pytest
 import runpod
-from conftest import alive, descendants, wait_for
+from conftest import alive, cosine, descendants, wait_for
 from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, worker_pids
 
 
@@ -98,6 +99,22 @@ def test_embeddings_on_a_pooling_worker(embedding_endpoint):
     model = client.models.list().data[0].id
     result = client.embeddings.create(model=model, input=["Paris is in France.", "Hello"])
     assert [len(d.embedding) for d in result.data] == [384, 384]
+
+
+def test_bytes_embeddings_and_root_routes_through_the_relay(embedding_endpoint):
+    model = embedding_endpoint.http.get("/openai/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "input": ["Paris is in France.", "Hello"]}
+    floats = embedding_endpoint.http.post("/openai/v1/embeddings", json=body).json()
+    binary = embedding_endpoint.http.post("/openai/v1/embeddings", json={**body, "encoding_format": "bytes"})
+    assert binary.status_code == 200 and binary.headers["content-type"] == "application/octet-stream"
+    assert len(json.loads(binary.headers["metadata"])["data"]) == 2
+    values = struct.unpack(f"<{2 * 384}f", binary.content)
+    for i, expected in enumerate(d["embedding"] for d in floats["data"]):
+        assert cosine(values[i * 384:(i + 1) * 384], expected) > 0.9999
+    pooled = embedding_endpoint.http.post("/openai/v1/pooling", json={"model": model, "input": "Hello"})
+    assert pooled.status_code == 200 and len(pooled.json()["data"][0]["data"]) == 384
+    bare = embedding_endpoint.http.post("/openai/pooling", json={"model": model, "input": "Hello"})
+    assert bare.status_code == 404 and "/openai/v1/" in bare.json()["error"]["message"]
 
 
 # --- anthropic SDK --------------------------------------------------------------------------

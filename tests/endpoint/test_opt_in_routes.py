@@ -1,0 +1,62 @@
+"""Routes vLLM serves only when asked, through the local endpoint to the official openai client:
+stored responses (retrieve, replay with a query string, cancel, an unknown id), tokenizer_info
+and the batch route, on one tiny-model worker with the opt-in flags and vLLM's store env var."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from conftest import OPT_IN_ENV, OPT_IN_FLAGS
+from local_endpoint import API_KEY, LocalEndpoint
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_env, tmp_path_factory):
+    flags = {flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}
+    local = LocalEndpoint({**tiny_env, **flags, **OPT_IN_ENV}, 1,
+                          tmp_path_factory.mktemp("endpoint") / "opt-in.log")
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def client(endpoint):
+    return openai.OpenAI(base_url=endpoint.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_a_stored_response_is_retrieved_replayed_and_not_cancelled_once_done(client, model):
+    # vLLM keeps the events for replay of a response run in the background, streamed.
+    events = list(client.responses.create(model=model, input="Hello", max_output_tokens=6, stream=True,
+                                          background=True, extra_body={"ignore_eos": True}))
+    response_id = events[0].response.id
+    retrieved = client.responses.retrieve(response_id)
+    assert retrieved.id == response_id and retrieved.usage.output_tokens == 6 and retrieved.output_text
+    replayed = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.type for e in replayed] == [e.type for e in events]
+    later = list(client.responses.retrieve(response_id, stream=True, starting_after=2))
+    assert [e.type for e in later] == [e.type for e in events][3:]
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel"):
+        client.responses.cancel(response_id)
+
+
+def test_an_unknown_stored_response_is_a_404_naming_the_one_worker_store(client):
+    for call in (client.responses.retrieve, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError) as raised:
+            call("resp_elsewhere")
+        assert "resp_elsewhere" in str(raised.value) and "another" in str(raised.value)
+
+
+def test_tokenizer_info_and_the_batch_route(endpoint, model):
+    info = endpoint.http.get("/openai/v1/tokenizer_info")
+    assert info.status_code == 200 and info.json()["tokenizer_class"]
+    conversations = [[{"role": "user", "content": "Hi"}], [{"role": "user", "content": "Bye"}]]
+    batch = endpoint.http.post("/openai/v1/chat/completions/batch", json={
+        "model": model, "messages": conversations, "max_tokens": 3, "ignore_eos": True})
+    assert batch.status_code == 200
+    assert [c["index"] for c in batch.json()["choices"]] == [0, 1]
+    assert batch.json()["usage"]["completion_tokens"] == 6
