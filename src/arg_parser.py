@@ -2,8 +2,10 @@
 
 Every configured value, whether env text or a typed YAML/JSON value, becomes the CLI tokens vLLM's
 parser reads (a ``Setting``, which remembers where it came from), and each is parsed alone, so a
-bad value is reported with the variable that set it. No flag list is kept: names, types and choices
-come from ``make_arg_parser`` (through the adapter), so a vLLM upgrade brings its new flags along.
+bad value is reported with the variable that set it. No list of flags to read is kept: names, types
+and choices come from ``make_arg_parser`` (through the adapter), so a vLLM upgrade brings its new
+flags along; only the front-end flags of an HTTP server the worker does not run are left out
+(``SERVER_ONLY``).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from env_text import parse_bool
-from vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests
+from vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
 
-__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "RESERVED_ENV", "ZERO_MEANS_UNSET", "EnvParser", "Setting",
-           "env_parser"]
+__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",
+           "ZERO_MEANS_UNSET", "EnvParser", "Setting", "env_parser", "unclassified_frontend_flags"]
 
 ENV_ALIASES: Mapping[str, str] = {
     "MODEL_NAME": "model",
@@ -31,16 +33,65 @@ ENV_ALIASES: Mapping[str, str] = {
     "LORA_MODULES": "lora_modules",
 }
 
-# `vllm serve` front-end flags that shape how requests are served. The others (host, port, TLS,
-# CORS, API key, uvicorn) belong to an HTTP server the worker does not run.
-FRONTEND_DESTS = frozenset({
+# Why a front-end flag is not read: it configures an HTTP server the worker does not run (the worker
+# calls vLLM's FastAPI app in-process: no socket, and no proxy or browser in front of it).
+_SOCKET = "the HTTP server's socket (address, TLS, h11 limits): the worker calls vLLM's app in-process"
+_UVICORN = "uvicorn's logs: the worker runs no uvicorn"
+_CORS = "CORS, for browsers' cross-origin requests: jobs come from RunPod's queue"
+_HTTP_CLIENTS = ("for proxies and HTTP clients (a path prefix, keep-alive comments, a request-id "
+                 "header): jobs reach the app through neither")
+_PROCESSES = "another process of `vllm serve` (gRPC, the data-parallel supervisor): the worker runs none"
+_DENIED_ROUTES = "shapes only routes no job may call (routes.DENIED)"
+
+# FrontendArgs fields the worker does not read (env, config file), with the reason.
+SERVER_ONLY: Mapping[str, str] = {
+    **dict.fromkeys(["host", "port", "uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+                     "ssl_cert_reqs", "ssl_ciphers", "enable_ssl_refresh",
+                     "h11_max_incomplete_event_size", "h11_max_header_count"], _SOCKET),
+    **dict.fromkeys(["uvicorn_log_level", "disable_uvicorn_access_log",
+                     "disable_access_log_for_endpoints"], _UVICORN),
+    **dict.fromkeys(["allow_credentials", "allowed_origins", "allowed_methods", "allowed_headers"], _CORS),
+    **dict.fromkeys(["root_path", "sse_keep_alive_interval", "enable_request_id_headers"], _HTTP_CLIENTS),
+    **dict.fromkeys(["grpc_port", "data_parallel_supervisor_port", "dp_supervisor_probe_interval_s",
+                     "dp_supervisor_probe_timeout_s", "dp_supervisor_probe_failure_threshold"],
+                    _PROCESSES),
+    **dict.fromkeys(["disable_fastapi_docs", "enable_offline_docs", "enable_server_load_tracking"],
+                    _DENIED_ROUTES),
+    "api_key": "RunPod authenticates callers: the worker drops vLLM's key check (build_openai_app)",
+    "tokens_only": "a disaggregated deployment's tokens-only server, without the tokenizer the "
+                   "worker's raw jobs need",
+}
+
+# FrontendArgs fields reviewed and read. Reading is derived (a field not in SERVER_ONLY is read);
+# this list only lets ``unclassified_frontend_flags`` report a field nobody has reviewed, so that
+# the tests and the contract check against a newer vLLM fail on it until it is put here or in
+# SERVER_ONLY. It may name fields of that newer vLLM (reasoning_effort_map: 0.33).
+REVIEWED_FRONTEND: frozenset[str] = frozenset({
+    "lora_modules", "response_role", "max_log_len", "log_error_stack", "middleware",
+    # chat templates and request rendering
     "chat_template", "chat_template_content_format", "default_chat_template_kwargs",
-    "enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin",
-    "exclude_tools_when_tool_choice_none", "enable_force_include_usage", "enable_log_outputs",
-    "enable_log_deltas", "enable_prompt_tokens_details", "log_error_stack", "lora_modules",
-    "response_role", "return_tokens_as_token_ids", "trust_request_chat_template",
-    "max_log_len", "tool_strict_level", "enable_scale_out", "enable_tokenizer_info_endpoint",
+    "trust_request_chat_template", "trust_request_mm_kwargs", "reasoning_effort_map",
+    # tools
+    "enable_auto_tool_choice", "tool_call_parser", "tool_parser_plugin", "tool_strict_level",
+    "exclude_tools_when_tool_choice_none", "tool_server",
+    # what responses carry
+    "return_tokens_as_token_ids", "enable_prompt_tokens_details", "enable_per_request_metrics",
+    "enable_force_include_usage", "fingerprint_mode", "fingerprint_value",
+    # request logs
+    "enable_log_outputs", "enable_log_deltas",
+    # routes and API dialects
+    "enable_tokenizer_info_endpoint", "enable_scale_out", "cohere_is_reasoning_model",
+    "cohere_format", "anthropic_disabled_thinking_effort", "enable_flash_late_interaction",
 })
+
+# `vllm serve`'s front-end flags the worker reads, as engine flags are read.
+FRONTEND_DESTS = frontend_arg_dests() - SERVER_ONLY.keys()
+
+
+def unclassified_frontend_flags() -> list[str]:
+    """This vLLM's front-end flags that are neither reviewed as read nor server-only: new in it."""
+    return sorted(frontend_arg_dests() - SERVER_ONLY.keys() - REVIEWED_FRONTEND)
+
 
 # Engine fields never taken from a bare env var: huggingface_hub reads HF_TOKEN itself, and
 # copying it into the engine args would put the secret into vLLM's "non-default args" log.
@@ -67,6 +118,20 @@ class Setting:
             return "***"
         text = repr(self.value)
         return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _takes_list(action: argparse.Action) -> bool:
+    return action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
+
+
+def _list_tokens(action: argparse.Action, items: list[Any]) -> tuple[str, ...]:
+    """A list's tokens: ``--flag a b``, or ``--flag a --flag b`` for an append action
+    (``--middleware``), which takes one item per flag."""
+    flag = action.option_strings[0]
+    texts = [item if isinstance(item, str) else json.dumps(item) for item in items]
+    if isinstance(action, argparse._AppendAction):
+        return tuple(token for text in texts for token in (flag, text))
+    return (flag, *texts)
 
 
 class EnvParser:
@@ -100,22 +165,21 @@ class EnvParser:
             if isinstance(action, argparse.BooleanOptionalAction):
                 return (flag if on else "--no-" + flag[2:],)
             return (flag,) if on else ()
-        if action.nargs in ("+", "*"):
-            items = json.loads(text) if text.startswith("[") else [
-                part.strip() for part in text.split(",") if part.strip()]
-            return (flag, *(i if isinstance(i, str) else json.dumps(i) for i in items))
+        if _takes_list(action):
+            return _list_tokens(action, json.loads(text) if text.startswith("[") else [
+                part.strip() for part in text.split(",") if part.strip()])
         return (flag, text)
 
     def tokens_from_value(self, dest: str, value: Any) -> tuple[str, ...]:
         """CLI tokens for a typed value (YAML, JSON), as `vllm serve --config` converts them."""
         if isinstance(value, bool):
             return self.tokens_from_text(dest, str(value))
-        flag = self.actions[dest].option_strings[0]
+        action = self.actions[dest]
         if isinstance(value, list):
-            return (flag, *(v if isinstance(v, str) else json.dumps(v) for v in value))
+            return _list_tokens(action, value)
         if isinstance(value, dict):
-            return (flag, json.dumps(value))
-        return (flag, str(value))
+            return (action.option_strings[0], json.dumps(value))
+        return (action.option_strings[0], str(value))
 
     def expected(self, dest: str) -> str:
         """What the flag accepts, in words, from vLLM's own choices and annotations."""
@@ -127,7 +191,7 @@ class EnvParser:
         kind = self.annotations.get(dest, "str")
         if "dict" in kind or "Config" in kind:
             return f"JSON ({kind})"
-        return "a list" if action.nargs in ("+", "*") else kind
+        return "a list" if _takes_list(action) else kind
 
     def add(self, out: dict[str, Setting], dest: str, value: Any, source: str, errors: list[str]) -> None:
         """Add the Setting for ``value`` (env text, or a typed YAML/JSON value) to ``out``."""

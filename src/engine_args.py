@@ -5,10 +5,11 @@ Precedence, highest first (each layer is one function returning ``{dest: Setting
 1. env aliases       ``MODEL_NAME``→model, ``MODEL_REVISION``→revision, ``TOKENIZER_NAME``→tokenizer,
                      ``CUSTOM_CHAT_TEMPLATE``→chat_template, ``OPENAI_RESPONSE_ROLE``→response_role,
                      ``LORA_MODULES``→lora_modules
-2. env vars          every flag of ``vllm serve``'s engine parser as its UPPER_SNAKE name
-                     (``MAX_MODEL_LEN``→``--max-model-len``), the OpenAI front-end flags in
-                     ``FRONTEND_DESTS``, plus worker-vllm's legacy names (``legacy_env``)
+2. env vars          every engine and front-end flag of ``vllm serve`` as its UPPER_SNAKE name
+                     (``MAX_MODEL_LEN``→``--max-model-len``) but the HTTP server's
+                     (``arg_parser.SERVER_ONLY``), plus worker-vllm's legacy names (``legacy_env``)
 3. config file       YAML at ``VLLM_CONFIG_FILE`` (``/vllm_config.yaml``), keys as in ``vllm serve --config``
+                     (the HTTP server's flags ignored with a warning)
 4. baked args        ``/local_model_args.json``, written when a model is baked into the image
 5. worker defaults   ``WORKER_DEFAULTS``
 6. vLLM defaults
@@ -34,7 +35,7 @@ from typing import Any
 import yaml
 
 import baked_args
-from arg_parser import ENV_ALIASES, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
+from arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
 from env_text import env_value
 from errors import ConfigError
 from legacy_env import LEGACY_ENV
@@ -45,6 +46,7 @@ from vllm_adapter import (
     AsyncEngineArgs,
     VllmConfig,
     create_engine_config,
+    engine_args_from,
     engine_config_message,
     validate_frontend_args,
     visible_gpu_count,
@@ -140,6 +142,9 @@ def _config_file_layer(parser: EnvParser, path: Path, errors: list[str]) -> dict
         if dest is None:
             log.warning("Config file %s: unknown key %r ignored", path, key)
             continue
+        if dest in SERVER_ONLY:
+            log.warning("Config file %s: %r ignored: %s", path, key, SERVER_ONLY[dest])
+            continue
         if value is not None:
             parser.add(out, dest, value, f"config file {path.name} {key}", errors)
     return out
@@ -212,7 +217,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     check_model_folder(merged["model"])
     try:
-        engine_args = AsyncEngineArgs.from_cli_args(namespace)
+        engine_args = engine_args_from(namespace)
     except (OSError, ValueError) as exc:  # e.g. offline with a repo id that is not in the cache
         raise ConfigError(f"invalid configuration:\n  {merged['model'].source}: {exc}") from None
     return ResolvedArgs(namespace, engine_args, merged, baked_model)

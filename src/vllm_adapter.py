@@ -25,9 +25,13 @@ from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
 
 try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
-    from vllm.entrypoints.common.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.common.cli_args import (FrontendArgs, make_arg_parser,
+                                                  propagate_flash_late_interaction,
+                                                  validate_parsed_serve_args)
 except ModuleNotFoundError:  # vLLM 0.32
-    from vllm.entrypoints.launchers.cli_args import FrontendArgs, make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.launchers.cli_args import (FrontendArgs, make_arg_parser,
+                                                     propagate_flash_late_interaction,
+                                                     validate_parsed_serve_args)
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput
@@ -47,9 +51,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
-    "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_config_message", "EngineDeadError",
-    "error_status", "import_app_modules", "is_fatal", "load_chat_template",
-    "make_sampling_params", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
+    "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_args_from", "engine_config_message",
+    "EngineDeadError", "error_status", "frontend_arg_dests", "import_app_modules", "is_fatal",
+    "load_chat_template", "make_sampling_params", "POOLING_TASKS", "PoolingParams", "REQUEST_ERRORS",
     "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "start_engine",
     "TokensPrompt", "validate_frontend_args", "visible_gpu_count", "VllmConfig",
 ]
@@ -99,6 +103,20 @@ def engine_arg_dests() -> frozenset[str]:
     """Destinations of the engine flags (AsyncEngineArgs), without the front-end ones."""
     parser = AsyncEngineArgs.add_cli_args(_RaisingParser(prog="engine"))
     return frozenset(a.dest for a in parser._actions if a.dest != "help")
+
+
+def frontend_arg_dests() -> frozenset[str]:
+    """Destinations of the OpenAI front-end flags (FrontendArgs), without the engine ones."""
+    parser = FrontendArgs.add_cli_args(_RaisingParser(prog="frontend"))
+    return frozenset(a.dest for a in parser._actions if a.dest != "help")
+
+
+def engine_args_from(namespace: argparse.Namespace) -> AsyncEngineArgs:
+    """The engine's arguments from the parsed flags, as `vllm serve` derives them: a front-end
+    flag that also configures the engine (``--no-enable-flash-late-interaction``) is passed on."""
+    engine_args = AsyncEngineArgs.from_cli_args(namespace)
+    propagate_flash_late_interaction(namespace, engine_args)
+    return engine_args
 
 
 def arg_annotations() -> dict[str, str]:

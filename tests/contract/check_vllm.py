@@ -8,8 +8,10 @@ of the normal suite (the file name is not ``test_*.py``); it also passes on the 
 What it checks, with the real adapter and worker modules and no engine core:
 
 1. the adapter imports, on the release asked for; the engine calls the worker makes still bind;
-2. every engine and front-end flag is read from its UPPER_SNAKE env name, and a typed sample value
-   of each (booleans both ways, a choice, a number, a list, JSON) parses to the value meant;
+2. every engine and front-end flag is read from its UPPER_SNAKE env name (but the HTTP server's,
+   ``arg_parser.SERVER_ONLY``), each front-end flag is classified (``unclassified_frontend_flags``),
+   and a typed sample value of each flag (booleans both ways, a choice, a number, a list, JSON)
+   parses to the value meant;
 3. the names the worker's own tables give vLLM (defaults, aliases, legacy names) still exist;
 4. vLLM's app, built as the worker builds it (``build_openai_app``, a stub in place of the engine)
    for a generative and a pooling model, then with every task and route switch on, has no route
@@ -32,7 +34,8 @@ import pytest
 from conftest import engine_env
 
 import vllm_adapter as adapter
-from arg_parser import ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, ZERO_MEANS_UNSET, env_parser
+from arg_parser import (ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
+                        unclassified_frontend_flags)
 from baked_args import BAKED_SOURCE_KEYS
 from engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
 from legacy_env import RENAMED_ENV, SPECULATIVE_ENV
@@ -104,7 +107,7 @@ def samples(dest: str) -> tuple[list[tuple[str, Any]], bool]:
     its type (else: guesses, any of which may parse)."""
     p = env_parser()
     action = p.actions[dest]
-    many = action.nargs in ("+", "*")
+    many = action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction)
     if dest in HAND_SAMPLES:
         return [(HAND_SAMPLES[dest], ANY)], True
     if action.nargs == 0:
@@ -135,7 +138,8 @@ def parsed(dest: str, text: str) -> Any:
     """The flag's value after the worker turns ``text`` into tokens for vLLM's parser."""
     p = env_parser()
     namespace = p.cli.parse_args([])
-    setattr(namespace, dest, UNCHANGED)
+    if not isinstance(p.actions[dest], argparse._AppendAction):  # an append adds to its default
+        setattr(namespace, dest, UNCHANGED)
     p.cli.parse_args(list(p.tokens_from_text(dest, text)), namespace=namespace)
     return getattr(namespace, dest)
 
@@ -144,11 +148,18 @@ def test_every_flag_is_read_from_its_env_name():
     p = env_parser()
     assert p.env_dests, "no engine flags found"
     assert FRONTEND_DESTS <= set(p.actions), "front-end flags gone from vLLM's parser"
+    assert not SERVER_ONLY.keys() & p.env_dests, "HTTP-server flags read from env"
     assert adapter.engine_arg_dests() <= set(p.actions), "engine flags missing from `vllm serve`"
     wrong = {dest: p.dest_for_env(dest.upper()) for dest in p.env_dests
              if p.dest_for_env(dest.upper()) != (None if dest.upper() in RESERVED_ENV else dest)}
     assert not wrong
     assert {dest.upper() for dest in p.env_dests} <= known_env_names()
+
+
+def test_every_frontend_flag_is_classified():
+    unclassified = unclassified_frontend_flags()
+    assert not unclassified, f"front-end flags neither reviewed nor server-only in arg_parser: {unclassified}"
+    assert SERVER_ONLY.keys() <= adapter.frontend_arg_dests(), "SERVER_ONLY names flags vLLM no longer has"
 
 
 def _problem(dest: str, text: str, want: Any) -> str | None:

@@ -7,9 +7,11 @@ import logging
 
 import pytest
 
-from engine_args import WORKER_DEFAULTS, resolve_args
+from arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
+from engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
 from errors import ConfigError
 from settings import load_config, load_settings
+from vllm_adapter import frontend_arg_dests
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 
@@ -174,9 +176,52 @@ def test_frontend_flags_and_aliases(files):
     assert ns.chat_template == "{{ messages }}" and ns.return_tokens_as_token_ids is True
 
 
+def test_frontend_flags_beyond_a_hand_written_list(files):
+    resolved = resolve(files, MODEL_NAME="m", ENABLE_TOKENIZER_INFO_ENDPOINT="true",
+                       FINGERPRINT_MODE="hash", TRUST_REQUEST_MM_KWARGS="1",
+                       ENABLE_FLASH_LATE_INTERACTION="false")
+    ns = resolved.namespace
+    assert ns.enable_tokenizer_info_endpoint is True and ns.trust_request_mm_kwargs is True
+    assert ns.fingerprint_mode == "hash" and ns.enable_flash_late_interaction is False
+    # passed on to the engine, as `vllm serve` does
+    assert resolved.engine_args.pooler_config.enable_flash_late_interaction is False
+
+
+def test_every_frontend_flag_is_classified():
+    assert unclassified_frontend_flags() == [], "put each in REVIEWED_FRONTEND or SERVER_ONLY"
+
+
+def test_server_only_flags_are_frontend_flags_with_a_reason():
+    assert SERVER_ONLY.keys() <= frontend_arg_dests(), "stale SERVER_ONLY entries"
+    assert all(reason.strip() for reason in SERVER_ONLY.values())
+    assert not SERVER_ONLY.keys() & REVIEWED_FRONTEND
+
+
 def test_server_flags_are_not_read_from_env(files):
-    ns = resolve(files, MODEL_NAME="m", PORT="1", HOST="evil", API_KEY="k").namespace
-    assert (ns.port, ns.host, ns.api_key) == (8000, None, None)
+    ns = resolve(files, MODEL_NAME="m", PORT="1", HOST="evil", API_KEY="k", ROOT_PATH="/x").namespace
+    assert (ns.port, ns.host, ns.api_key, ns.root_path) == (8000, None, None, None)
+    assert not {dest.upper() for dest in SERVER_ONLY} & known_env_names()
+
+
+def test_server_flags_in_the_config_file_are_ignored_with_the_reason(files, caplog):
+    files.write_yaml("model: m\nport: 1\napi-key: k\n")
+    ns = resolve(files).namespace
+    assert (ns.port, ns.api_key) == (8000, None)
+    assert f"'api-key' ignored: {SERVER_ONLY['api_key']}" in caplog.text
+
+
+@pytest.mark.parametrize("text", ["a.b,c.d", '["a.b", "c.d"]'])
+def test_append_flags_take_one_flag_per_item(files, text):
+    assert env_parser().tokens_from_text("middleware", text) == (
+        "--middleware", "a.b", "--middleware", "c.d")
+    assert resolve(files, MODEL_NAME="m", MIDDLEWARE=text).namespace.middleware == ["a.b", "c.d"]
+
+
+def test_append_flags_from_the_config_file_leave_the_default_alone(files):
+    files.write_yaml("model: m\nmiddleware: [x.y]\n")
+    assert resolve(files).namespace.middleware == ["x.y"]
+    files.write_yaml("model: m\n")
+    assert resolve(files).namespace.middleware == [] == env_parser().actions["middleware"].default
 
 
 @pytest.mark.parametrize("text", ['[{"name": "a", "path": "/a"}, {"name": "b", "path": "/b"}]',
