@@ -3,9 +3,11 @@ aside) what vLLM's own HTTP server answers, on the same model with the same flag
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import OPT_IN_ENV, OPT_IN_FLAGS
-from vllm_server import canonical_stream, normalize, parse_sse, vllm_servers
+from vllm_server import canonical_stream, created_id, normalize, parse_sse, vllm_servers
 
 from body_envelope import Envelope
 
@@ -90,7 +92,9 @@ def test_worker_answers_as_vllm_serve(servers, workers, run_openai, case, stream
     elif envelope := Envelope.from_output(items[0]):  # a binary answer, carried whole
         assert (envelope.status, envelope.content_type) == (http.status_code, http.headers["content-type"])
         assert envelope.body == http.content and len(http.content) > 1000
-        assert envelope.headers.get("metadata") == http.headers.get("metadata")
+        metadata = [json.loads(side["metadata"]) if "metadata" in side else None
+                    for side in (envelope.headers, http.headers)]
+        assert normalize(metadata[0]) == normalize(metadata[1])
     else:
         (item,) = items
         assert normalize(item) == normalize(http.json())
@@ -103,14 +107,15 @@ def test_stored_responses_answer_as_vllm_serve(servers, tiny_opt_in_openai, run_
     with the worker's note that the store is one worker's."""
     worker, server = tiny_opt_in_openai, servers["tiny"]
     body = {"model": worker.served_model_name, "input": "Tell me a story", "max_output_tokens": 8,
-            "temperature": 0}
-    (mine,) = run_openai(worker, "/v1/responses", body)
-    theirs = server.post("/v1/responses", json=body).json()
-    assert normalize(mine) == normalize(theirs)
-    for suffix, method in (("", "GET"), ("?stream=true", "GET"), ("/cancel", "POST")):
-        items = run_openai(worker, f"/v1/responses/{mine['id']}{suffix}", method=method)
-        http = server.request(method, f"/v1/responses/{theirs['id']}{suffix}")
-        if suffix == "?stream=true":
+            "temperature": 0, "background": True, "stream": True}
+    mine = "".join(run_openai(worker, "/v1/responses", body))
+    theirs = server.post("/v1/responses", json=body).text
+    assert canonical_stream(parse_sse(mine)) == canonical_stream(parse_sse(theirs))
+    for suffix, method in (("", "GET"), ("?stream=true", "GET"), ("?stream=true&starting_after=2", "GET"),
+                           ("/cancel", "POST")):
+        items = run_openai(worker, f"/v1/responses/{created_id(mine)}{suffix}", method=method)
+        http = server.request(method, f"/v1/responses/{created_id(theirs)}{suffix}")
+        if "stream" in suffix:
             assert canonical_stream(parse_sse("".join(items))) == canonical_stream(parse_sse(http.text))
         else:
             assert normalize(items[0]) == normalize(http.json())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import cosine
+from vllm_server import created_id
 from fastapi.routing import APIRoute
 
 from routes import DENIED, REVIEWED, unclassified_routes
@@ -184,16 +185,20 @@ def test_tokenizer_info_is_reachable_under_v1(tiny_opt_in_openai, run_openai):
 
 
 def test_stored_responses_are_retrieved_replayed_and_cancelled_by_id(tiny_opt_in_openai, run_openai):
+    # vLLM keeps a response's events for replay when it ran in the background, streamed.
     body = {"model": model_of(tiny_opt_in_openai), "input": "Hello", "max_output_tokens": 4,
-            "temperature": 0}
-    (created,) = run_openai(tiny_opt_in_openai, "/v1/responses", body)
-    route = f"/v1/responses/{created['id']}"
+            "temperature": 0, "background": True, "stream": True}
+    streamed = "".join(run_openai(tiny_opt_in_openai, "/v1/responses", body))
+    route = f"/v1/responses/{created_id(streamed)}"
     (retrieved,) = run_openai(tiny_opt_in_openai, route, method="GET")
-    assert retrieved["id"] == created["id"] and retrieved["output"] == created["output"]
+    assert retrieved["status"] == "incomplete" and retrieved["usage"]["output_tokens"] == 4  # max_output_tokens
     replay = "".join(run_openai(tiny_opt_in_openai, route + "?stream=true", method="GET"))
-    assert "response.completed" in replay and created["id"] in replay
+    assert replay.count("event: ") == streamed.count("event: ") >= 4
+    assert "response.completed" in replay and retrieved["id"] in replay
+    later = "".join(run_openai(tiny_opt_in_openai, route + "?stream=true&starting_after=1", method="GET"))
+    assert later.count("event: ") == replay.count("event: ") - 2  # the query string reached vLLM
     (cancelled,) = run_openai(tiny_opt_in_openai, route + "/cancel")
-    assert "error" in cancelled and cancelled["error"]["code"] == 400  # not a background response
+    assert cancelled["error"]["code"] == 400 and "Cannot cancel" in cancelled["error"]["message"]
 
 
 def test_an_unknown_stored_response_says_it_may_live_on_another_worker(tiny_opt_in_openai, run_openai):

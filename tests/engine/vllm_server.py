@@ -106,3 +106,9 @@ def canonical_stream(events) -> tuple[list, dict]:
         joined, finishes = texts.get(position, ("", []))
         texts[position] = (joined + text, finishes + ([finish] if finish else []))
     return others, texts
+
+
+def created_id(sse_text: str) -> str:
+    """The response id in a Responses API stream's ``response.created`` event."""
+    (created,) = [json.loads(data) for name, data in sse.parse(sse_text) if name == "response.created"]
+    return created["response"]["id"]
