@@ -19,14 +19,14 @@ HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logge
 
 class LocalEndpoint:
     def __init__(self, env: dict[str, str], workers: int, log_path, handler: str | None = None,
-                 ready_timeout: float = 400) -> None:
+                 ready_timeout: float = 400, args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}/v2/local"
         self.log_path = log_path
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "endpoint", "--port", str(self.port), "--workers", str(workers),
-             "--api-key", API_KEY, *(["--handler", handler] if handler else [])],
+             "--api-key", API_KEY, *(["--handler", handler] if handler else []), *args],
             cwd=REPO, env={**os.environ, **CPU_ENV, **env},
             stdout=log_path.open("w"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},

@@ -1,20 +1,26 @@
 """Routes vLLM serves only when asked, through the local endpoint to the official openai client:
 stored responses (retrieve, replay with a query string, cancel, an unknown id), tokenizer_info
-and the batch route, on one tiny-model worker with the opt-in flags and vLLM's store env var."""
+and the batch route, on one tiny-model worker with the opt-in flags and vLLM's store env var; and
+the endpoint's execution timeout, which stops a job that runs too long."""
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
-from conftest import OPT_IN_ENV, OPT_IN_FLAGS
+from conftest import OPT_IN_ENV, OPT_IN_FLAGS, wait_for
 from local_endpoint import API_KEY, LocalEndpoint
+
+EXECUTION_TIMEOUT = 4  # seconds: far above this module's short requests, far below the long one
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
     flags = {flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}
-    local = LocalEndpoint({**tiny_env, **flags, **OPT_IN_ENV}, 1,
-                          tmp_path_factory.mktemp("endpoint") / "opt-in.log")
+    local = LocalEndpoint({**tiny_env, **flags, **OPT_IN_ENV, "ENABLE_LOG_REQUESTS": "true"}, 1,
+                          tmp_path_factory.mktemp("endpoint") / "opt-in.log",
+                          args=("--execution-timeout", str(EXECUTION_TIMEOUT)))
     yield local
     local.stop()
 
@@ -60,3 +66,15 @@ def test_tokenizer_info_and_the_batch_route(endpoint, model):
     assert batch.status_code == 200
     assert [c["index"] for c in batch.json()["choices"]] == [0, 1]
     assert batch.json()["usage"]["completion_tokens"] == 6
+
+
+def test_a_request_past_the_execution_timeout_gets_a_504_and_its_job_is_stopped(client, model, endpoint):
+    # 4 × 1800 tokens take the tiny model far longer than the timeout on any CPU.
+    with pytest.raises(openai.InternalServerError) as raised:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=1800, n=4, extra_body={"ignore_eos": True})
+    assert raised.value.status_code == 504 and "execution timeout" in str(raised.value)
+    assert wait_for(lambda: re.search(r"Aborted request\(s\) chatcmpl-", endpoint.log()), 30) < 30
+    after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=2, extra_body={"ignore_eos": True})
+    assert after.usage.completion_tokens == 2  # the worker serves on
