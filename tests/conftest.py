@@ -175,6 +175,11 @@ OPT_IN_FLAGS = {"enable_scale_out": True, "enable_tokenizer_info_endpoint": True
 OPT_IN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
 
 
+def opt_in_env() -> dict[str, str]:
+    """The opt-in flags and env vars as a worker's environment."""
+    return {**{flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}, **OPT_IN_ENV}
+
+
 def opt_in_app(engine):
     """An OpenAIvLLMEngine over ``engine`` with the opt-in routes on (see OPT_IN_FLAGS/OPT_IN_ENV)."""
     import copy

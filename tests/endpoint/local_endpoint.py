@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import openai
 import pytest
 from conftest import CPU_ENV, REPO, descendants
 from dev_env import free_port
@@ -42,6 +43,14 @@ class LocalEndpoint:
             time.sleep(0.5)
         self.stop()
         pytest.fail("endpoint did not become ready:\n" + self.log()[-4000:])
+
+    def openai_client(self) -> openai.OpenAI:
+        """The official openai client on this endpoint's OpenAI face."""
+        return openai.OpenAI(base_url=self.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+
+    def model(self) -> str:
+        """The served model's name, as /v1/models lists it first."""
+        return self.http.get("/openai/v1/models").json()["data"][0]["id"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

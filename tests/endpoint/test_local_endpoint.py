@@ -41,7 +41,7 @@ def embedding_endpoint(minilm_env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(endpoint):
-    return openai.OpenAI(base_url=endpoint.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+    return endpoint.openai_client()
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +94,13 @@ def test_unknown_model_raises_not_found(client):
 
 
 def test_embeddings_on_a_pooling_worker(embedding_endpoint):
-    client = openai.OpenAI(base_url=embedding_endpoint.base + "/openai/v1", api_key=API_KEY,
-                           max_retries=0)
-    model = client.models.list().data[0].id
+    client, model = embedding_endpoint.openai_client(), embedding_endpoint.model()
     result = client.embeddings.create(model=model, input=["Paris is in France.", "Hello"])
     assert [len(d.embedding) for d in result.data] == [384, 384]
 
 
 def test_bytes_embeddings_and_root_routes_through_the_relay(embedding_endpoint):
-    model = embedding_endpoint.http.get("/openai/v1/models").json()["data"][0]["id"]
+    model = embedding_endpoint.model()
     body = {"model": model, "input": ["Paris is in France.", "Hello"]}
     floats = embedding_endpoint.http.post("/openai/v1/embeddings", json=body).json()
     binary = embedding_endpoint.http.post("/openai/v1/embeddings", json={**body, "encoding_format": "bytes"})

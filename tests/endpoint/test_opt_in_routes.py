@@ -9,16 +9,15 @@ import re
 
 import openai
 import pytest
-from conftest import OPT_IN_ENV, OPT_IN_FLAGS, wait_for
-from local_endpoint import API_KEY, LocalEndpoint
+from conftest import opt_in_env, wait_for
+from local_endpoint import LocalEndpoint
 
 EXECUTION_TIMEOUT = 4  # seconds: far above this module's short requests, far below the long one
 
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
-    flags = {flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}
-    local = LocalEndpoint({**tiny_env, **flags, **OPT_IN_ENV, "ENABLE_LOG_REQUESTS": "true"}, 1,
+    local = LocalEndpoint({**tiny_env, **opt_in_env(), "ENABLE_LOG_REQUESTS": "true"}, 1,
                           tmp_path_factory.mktemp("endpoint") / "opt-in.log",
                           args=("--execution-timeout", str(EXECUTION_TIMEOUT)))
     yield local
@@ -27,12 +26,12 @@ def endpoint(tiny_env, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(endpoint):
-    return openai.OpenAI(base_url=endpoint.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+    return endpoint.openai_client()
 
 
 @pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+def model(endpoint):
+    return endpoint.model()
 
 
 def test_a_stored_response_is_retrieved_replayed_and_not_cancelled_once_done(client, model):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import OPT_IN_ENV, OPT_IN_FLAGS
+from conftest import opt_in_env
 from vllm_server import canonical_stream, created_id, normalize, parse_sse, vllm_servers
 
 from body_envelope import Envelope
@@ -15,8 +15,7 @@ from body_envelope import Envelope
 @pytest.fixture(scope="module")
 def servers(tiny_env, minilm_env, tmp_path_factory):
     # The opt-in routes on for the tiny model (the worker serves them from a second app, OPT_IN).
-    opt_in = {flag.upper(): str(value).lower() for flag, value in OPT_IN_FLAGS.items()}
-    envs = {"tiny": {**tiny_env, **opt_in, **OPT_IN_ENV}, "minilm": minilm_env}
+    envs = {"tiny": {**tiny_env, **opt_in_env()}, "minilm": minilm_env}
     with vllm_servers(envs, tmp_path_factory.mktemp("vllm-serve")) as clients:
         yield clients
 
