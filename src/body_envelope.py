@@ -28,14 +28,19 @@ _TRANSFER = frozenset({"content-length", "transfer-encoding", "connection", "dat
                        "content-type", "keep-alive"})
 
 
+def _media_type(content_type: str) -> str:
+    """``text/plain`` of ``text/plain; charset=utf-8``."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
 def is_json(content_type: str) -> bool:
     """Whether a content type is JSON (``application/json``, ``application/problem+json``, ...)."""
-    kind = content_type.split(";", 1)[0].strip().lower()
+    kind = _media_type(content_type)
     return kind == "application/json" or kind.endswith("+json")
 
 
 def _is_text(content_type: str) -> bool:
-    kind = content_type.split(";", 1)[0].strip().lower()
+    kind = _media_type(content_type)
     return kind.startswith("text/") and kind != "text/event-stream"
 
 

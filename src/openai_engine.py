@@ -18,6 +18,7 @@ Outputs:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
@@ -49,16 +50,17 @@ __all__ = ["OpenAIvLLMEngine"]
 def _answer_item(response: Response, body: bytes, route: Route) -> Any:
     """A whole (not streamed) answer as the job's item: its JSON, or a non-JSON answer in an
     ``Envelope``; errors stay errors for the runpod SDK."""
-    if response.status < 400 and body and not is_json(response.headers.get("content-type", "")):
+    if response.status < 400:
+        if not body:
+            return {}
+        if is_json(response.headers.get("content-type", "")):
+            with contextlib.suppress(ValueError):
+                return json.loads(body)
         return Envelope.of(response.status, response.headers, body).output()
     try:
         content = json.loads(body) if body else {}
     except ValueError:
-        if response.status < 400:
-            return Envelope.of(response.status, response.headers, body).output()
         content = {"detail": body.decode(errors="replace")}
-    if response.status < 400:
-        return content
     return _error_item(response.status, content, route)
 
 
