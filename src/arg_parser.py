@@ -90,7 +90,7 @@ FRONTEND_DESTS = frontend_arg_dests() - SERVER_ONLY.keys()
 
 def unclassified_frontend_flags() -> list[str]:
     """This vLLM's front-end flags that are neither reviewed as read nor server-only: new in it."""
-    return sorted(frontend_arg_dests() - SERVER_ONLY.keys() - REVIEWED_FRONTEND)
+    return sorted(FRONTEND_DESTS - REVIEWED_FRONTEND)
 
 
 # Engine fields never taken from a bare env var: huggingface_hub reads HF_TOKEN itself, and

@@ -99,16 +99,20 @@ def build_arg_parser() -> FlexibleArgumentParser:
     return make_arg_parser(_RaisingParser(prog="worker"))
 
 
+def _arg_dests(args_class: type, prog: str) -> frozenset[str]:
+    """Destinations of the flags one of vLLM's argument classes adds to a parser."""
+    parser = args_class.add_cli_args(_RaisingParser(prog=prog))
+    return frozenset(a.dest for a in parser._actions if a.dest != "help")
+
+
 def engine_arg_dests() -> frozenset[str]:
     """Destinations of the engine flags (AsyncEngineArgs), without the front-end ones."""
-    parser = AsyncEngineArgs.add_cli_args(_RaisingParser(prog="engine"))
-    return frozenset(a.dest for a in parser._actions if a.dest != "help")
+    return _arg_dests(AsyncEngineArgs, "engine")
 
 
 def frontend_arg_dests() -> frozenset[str]:
     """Destinations of the OpenAI front-end flags (FrontendArgs), without the engine ones."""
-    parser = FrontendArgs.add_cli_args(_RaisingParser(prog="frontend"))
-    return frozenset(a.dest for a in parser._actions if a.dest != "help")
+    return _arg_dests(FrontendArgs, "frontend")
 
 
 def engine_args_from(namespace: argparse.Namespace) -> AsyncEngineArgs:
