@@ -60,6 +60,21 @@ class LocalEndpoint:
         return self.proc.wait(timeout=90)
 
 
+def openai_fixtures():
+    """A module's ``endpoint`` fixture as the official openai client sees it:
+    ``client, model = openai_fixtures()``."""
+
+    @pytest.fixture(scope="module")
+    def client(endpoint) -> openai.OpenAI:
+        return endpoint.openai_client()
+
+    @pytest.fixture(scope="module")
+    def model(endpoint) -> str:
+        return endpoint.model()
+
+    return client, model
+
+
 def worker_pids(endpoint: LocalEndpoint) -> dict[str, int]:
     """Worker id → pid of the endpoint's direct children (the workers), from their environment."""
     pids = {}

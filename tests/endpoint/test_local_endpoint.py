@@ -15,7 +15,7 @@ import openai
 import pytest
 import runpod
 from conftest import alive, cosine, descendants, wait_for
-from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, worker_pids
+from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, openai_fixtures, worker_pids
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +39,7 @@ def embedding_endpoint(minilm_env, tmp_path_factory):
     local.stop()
 
 
-@pytest.fixture(scope="module")
-def client(endpoint):
-    return endpoint.openai_client()
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
+client, model = openai_fixtures()
 
 
 # --- openai SDK -----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import re
 import openai
 import pytest
 from conftest import opt_in_env, wait_for
-from local_endpoint import LocalEndpoint
+from local_endpoint import LocalEndpoint, openai_fixtures
 
 EXECUTION_TIMEOUT = 4  # seconds: far above this module's short requests, far below the long one
 
@@ -24,14 +24,7 @@ def endpoint(tiny_env, tmp_path_factory):
     local.stop()
 
 
-@pytest.fixture(scope="module")
-def client(endpoint):
-    return endpoint.openai_client()
-
-
-@pytest.fixture(scope="module")
-def model(endpoint):
-    return endpoint.model()
+client, model = openai_fixtures()
 
 
 def test_a_stored_response_is_retrieved_replayed_and_not_cancelled_once_done(client, model):
