@@ -4,7 +4,9 @@ Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no mod
 (1: handler() ÷ AsyncLLM.generate), ``openai`` (2: worker ÷ vllm serve through the openai SDK,
 3: first request, 5: start-up), ``latency`` (6-9: job start, before and after the worker's job loop,
 on ``Plan.latency_model`` and the stub worker), ``start`` (10-12: start-up beside ``vllm serve``, the
-compile cache cold and warm, weight load formats, on ``Plan.latency_model``). A run writes its parts'
+compile cache cold and warm, weight load formats, on ``Plan.latency_model``), ``concurrency`` (13-16:
+adaptive concurrency beside ``vllm serve`` and a fixed 30, two workers under a burst, a small KV cache,
+the controller's cost). A run writes its parts'
 sections of ``bench/RESULTS.md`` (keeping the other parts' sections) and their charts; ``--quick`` (tiny
 model, short streams, two repetitions) writes them to a temporary folder instead.
 """
@@ -19,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import cold_start, common, handler_overhead, job_start, openai_path, report, stub_cost
+from bench import (adaptive_concurrency, cold_start, common, handler_overhead, job_start, openai_path, report,
+                   stub_cost)
 from bench.common import PARTS
 
 
@@ -67,6 +70,10 @@ def main() -> None:
         job_start.run_stub(plan, results)
         _progress(f"items 6, 9, job path ÷ vllm serve (vllm bench), first byte on {plan.latency_model}")
         job_start.run_model(plan, results)
+    if "concurrency" in parts:
+        _progress(f"items 13-16, adaptive concurrency beside vllm serve on {plan.latency_model}, "
+                  "two workers, a small KV cache, the controller's cost")
+        adaptive_concurrency.run(plan, results)
     if "start" in parts:
         _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
         cold_start.run(plan, results)

@@ -29,7 +29,9 @@ PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
          "engine": ("Handler overhead: handler() ÷ AsyncLLM.generate", (1,)),
          "openai": ("OpenAI path: worker ÷ vllm serve (openai SDK), first request, start-up", (2, 3, 5)),
          "latency": ("Job start: the job path ÷ vllm serve (vllm bench), slots, emulator cost", (6, 7, 8, 9)),
-         "start": ("Cold start: beside vllm serve, compile cache, weight loading", (10, 11, 12))}
+         "start": ("Cold start: beside vllm serve, compile cache, weight loading", (10, 11, 12)),
+         "concurrency": ("Adaptive concurrency: beside vllm serve, two workers, a small KV cache, cost",
+                         (13, 14, 15, 16))}
 # The paths whose loads (tokens/s, TTFT) are charted, by the part that measures them.
 RAW_ENGINE, HANDLER, WORKER, VLLM_SERVE = "raw engine", "handler()", "worker", "vllm serve"
 LOAD_PATHS = {"engine": (RAW_ENGINE, HANDLER), "openai": (WORKER, VLLM_SERVE)}
@@ -58,6 +60,7 @@ class Plan:
     slot_jobs: int = 300  # item 7: jobs per burst on the stub worker's 30 slots
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
+    adaptive_concurrency: tuple[int, ...] = (16, 64, 128)  # item 13
     # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
     # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
     dtype: str | None = None
@@ -67,7 +70,8 @@ class Plan:
         return self.tiny_load_reps if model == "tiny-llama" else self.reps
 
 
-QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), openai_goal_concurrency=(1, 4), followups=5,
+QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), adaptive_concurrency=(4, 16),
+             openai_goal_concurrency=(1, 4), followups=5,
              first_max_tokens=8, stub_jobs=32, models=("tiny-llama",), tiny_load_reps=2,
              latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4)
 
@@ -141,6 +145,12 @@ def ab(rep: int, a: Callable[[], T], b: Callable[[], T]) -> tuple[T, T]:
     return first, b()
 
 
+def in_turn(rep: int, runs: dict[str, Callable[[], T]]) -> dict[str, T]:
+    """Every run once, in reversed order on odd repetitions (ABC, CBA, …), so drift favours none."""
+    order = list(runs)[::-1] if rep % 2 else list(runs)
+    return {name: runs[name]() for name in order}
+
+
 @dataclass
 class Figure:
     """One row of the results table: repeated values of one figure and its goal."""
@@ -176,6 +186,10 @@ class Results:
     job_path: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
     # Item 9: (worker, "before" | "after") → step → median ms
     decomposition: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    # Item 13: (model, path, concurrency) → one vllm bench result per repetition (adaptive_concurrency.py)
+    concurrency_loads: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
+    # Items 14-15: chart title → worker → (seconds, held, target, running, waiting, KV usage, preempted)
+    series: dict[str, dict[str, list[tuple]]] = field(default_factory=dict)
     # What could not be measured, and why (item → reason; the reason's key starts with the item's number)
     notes: dict[str, str] = field(default_factory=dict)
 

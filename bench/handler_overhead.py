@@ -62,10 +62,10 @@ class EnginePaths:
 
 
 def run(model: str, plan: Plan, results: Results) -> None:
-    from engine import vLLMEngine
+    from handler import start_engine
     from settings import load_config
 
-    engine = vLLMEngine(load_config(model_env(model, plan)))
+    engine, _ = start_engine(load_config(model_env(model, plan)))  # as the worker runs it
     try:
         paths = EnginePaths(engine)
         for n in plan.concurrency:  # first-use costs of each batch size, on both paths

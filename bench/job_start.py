@@ -21,12 +21,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from bench.common import REPO, Load, Plan, Results, model_env
+from bench.common import REPO, Load, Plan, Results, in_turn, model_env
 from bench.servers import Endpoint, Server, VllmServe
 
 STUB = REPO / "tests" / "stub_worker.py"
@@ -67,12 +66,6 @@ def read_trace(endpoint: Endpoint) -> dict[str, dict[str, float]]:
         stage, job_id, at = line.split()
         stamps.setdefault(job_id, {}).setdefault(stage, float(at))
     return stamps
-
-
-def _in_turn(rep: int, runs: dict[str, Callable[[], Load]]) -> dict[str, Load]:
-    """Every run once, in reversed order on odd repetitions (ABC, CBA, …), so drift favours none."""
-    order = list(runs)[::-1] if rep % 2 else list(runs)
-    return {name: runs[name]() for name in order}
 
 
 # --- item 6: vLLM's load generator -------------------------------------------------------------------
@@ -121,7 +114,7 @@ def job_path(model: str, servers: dict[str, Server], plan: Plan, results: Result
             prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
             runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
                     for name, server in servers.items()}
-            _record_loads(model, n, _in_turn(rep, runs), results)
+            _record_loads(model, n, in_turn(rep, runs), results)
 
 
 # --- item 7: slot occupancy and refill -----------------------------------------------------------------

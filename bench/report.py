@@ -16,6 +16,7 @@ from bench.common import LOAD_PATHS, PARTS, REPO, Figure, Plan, Results
 
 CHARTS = {"engine": "engine.png", "openai": "throughput.png"}  # each part's chart of its LOAD_PATHS
 LATENCY_CHART = "job_start.png"
+CONCURRENCY_CHARTS = ("concurrency.png", "concurrency_over_time.png")  # items 13, and 14-15
 # Medians measured earlier on this kind of machine (openai SDK client, SmolLM2-135M), for comparison.
 ANCHORS = {("raw engine", 1): 32, ("raw engine", 16): 349, ("raw engine", 64): 536,
            ("vllm serve", 1): 31, ("vllm serve", 16): 311, ("vllm serve", 64): 439}
@@ -71,11 +72,11 @@ def _loads_table(results: Results) -> str:
     return _markdown(("model", "path", "streams", "tokens/s", "TTFT ms", "earlier anchor tokens/s"), rows)
 
 
-def _job_path_table(results: Results) -> str:
-    """Item 6's medians per path: vllm bench's median TTFT and output tokens/s."""
+def _job_path_table(job_path: dict) -> str:
+    """Items 6 and 13: medians per path of vllm bench's median TTFT and output tokens/s."""
     rows = [(model, path, str(n), f"{statistics.median(load.ttft for load in loads) * 1000:.1f}",
              f"{statistics.median(load.tokens_per_s for load in loads):.1f}")
-            for (model, path, n), loads in sorted(results.job_path.items(), key=lambda kv: kv[0][2])]
+            for (model, path, n), loads in sorted(job_path.items(), key=lambda kv: kv[0][2])]
     return _markdown(("model", "path", "concurrency", "median TTFT ms", "output tokens/s"), rows)
 
 
@@ -117,13 +118,64 @@ def _latency_sections(results: Results, out: Path) -> list[str]:
     latency_chart(results, out / LATENCY_CHART)
     return ["### Job path through vllm bench: medians per path", "",
             "`vllm.benchmarks.serve` (random dataset, openai-chat); worker after = JobLoop, before =",
-            "the runpod SDK's loop (`JOB_LOOP=sdk`).", "", _job_path_table(results), "",
+            "the runpod SDK's loop (`JOB_LOOP=sdk`).", "", _job_path_table(results.job_path), "",
             "### Job start: where the time goes", "",
             "Sequential streamed chats at concurrency 1; `time.time()` stamps in the client, the endpoint",
             "(`bench/trace_endpoint.py`) and the worker (`bench/trace_worker.py`). Before = the runpod",
             "SDK's loop (`JOB_LOOP=sdk`), after = JobLoop. Medians of each step do not add up exactly to the",
             "median total.", "", _decomposition_table(results), "",
             f"![where the time goes]({LATENCY_CHART})", ""]
+
+
+def series_chart(series: dict[str, dict[str, list[tuple]]], path: Path) -> None:
+    """Items 14-15 over time, a plot per series and worker: jobs held and the target, vLLM's running
+    and waiting requests, KV-cache usage (right axis) and preemptions so far."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = [(title, worker, rows) for title, workers in series.items() for worker, rows in workers.items()]
+    fig, axes = plt.subplots(len(plots), 1, figsize=(11, 3.2 * len(plots)), squeeze=False)
+    for ax, (title, worker, rows) in zip(axes[:, 0], plots, strict=True):
+        t = [row[0] for row in rows]
+        for column, label, style in ((1, "jobs held", "-"), (2, "target", "--"), (3, "vLLM running", ":"),
+                                     (4, "vLLM waiting", "-")):
+            if rows and rows[0][column] is not None:
+                ax.step(t, [row[column] for row in rows], style, where="post", label=label)
+        preempted = [row[6] for row in rows]
+        if preempted and isinstance(rows[0][1], int):  # a worker's: per step; vllm serve's: a running total
+            preempted = [sum(preempted[: i + 1]) for i in range(len(preempted))]
+        ax.step(t, preempted, "-", where="post", label="preempted so far", color="black", linewidth=0.8)
+        kv = ax.twinx()
+        kv.plot(t, [row[5] * 100 for row in rows], color="grey", alpha=0.4, linewidth=0.8)
+        kv.set(ylim=(0, 105), ylabel="KV cache used (%, grey)")
+        ax.set(title=f"{title}: {worker}", xlabel="seconds", ylabel="requests")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _concurrency_sections(results: Results, out: Path) -> list[str]:
+    """Items 13-15's table and charts."""
+    if not results.concurrency_loads:
+        return []
+    paths = tuple(dict.fromkeys(p for _, p, _ in results.concurrency_loads))
+    chart(results.concurrency_loads, paths, out / CONCURRENCY_CHARTS[0])
+    lines = ["### vllm bench beside vllm serve: medians per path", "",
+             "`vllm.benchmarks.serve` (random dataset, openai-chat); the worker with its default settings",
+             "(adaptive) and with worker-vllm's fixed 30.", "",
+             _job_path_table(results.concurrency_loads), "",
+             f"![tokens/s and time to first token against concurrency]({CONCURRENCY_CHARTS[0]})", ""]
+    if results.series:
+        series_chart(results.series, out / CONCURRENCY_CHARTS[1])
+        lines += ["### Over time (items 14 and 15, first repetition)", "",
+                  "![jobs held, target, vLLM's running and waiting requests over time]"
+                  f"({CONCURRENCY_CHARTS[1]})",
+                  ""]
+    return lines
 
 
 def _machine() -> list[str]:
@@ -140,22 +192,22 @@ def _machine() -> list[str]:
             f"- code: git {commit}"]
 
 
-def chart(results: Results, paths: tuple[str, ...], path: Path) -> None:
+def chart(loads: dict[tuple[str, str, int], list], paths: tuple[str, ...], path: Path) -> None:
     """Tokens/s and time to first token of ``paths`` against concurrency, one row of plots per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(model for model, name, _ in results.loads if name in paths))
+    models = list(dict.fromkeys(model for model, name, _ in loads if name in paths))
     fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
     for row, model in zip(axes, models, strict=True):
         for ax, (label, value) in zip(row, (("output tokens/s", lambda load: load.tokens_per_s),
                                             ("time to first token (ms)", lambda load: load.ttft * 1000)),
                                       strict=True):
             for name in paths:
-                points = sorted((n, [value(load) for load in loads])
-                                for (m, p, n), loads in results.loads.items() if (m, p) == (model, name))
+                points = sorted((n, [value(load) for load in runs])
+                                for (m, p, n), runs in loads.items() if (m, p) == (model, name))
                 if not points:
                     continue
                 xs = [n for n, _ in points]
@@ -164,7 +216,8 @@ def chart(results: Results, paths: tuple[str, ...], path: Path) -> None:
                           [max(v) - m for m, (_, v) in zip(medians, points, strict=True)]]
                 ax.errorbar(xs, medians, yerr=spread, marker="o", capsize=4, label=name)
             ax.set_xscale("log", base=2)
-            ax.set_xticks(list(results.plan.concurrency), [str(n) for n in results.plan.concurrency])
+            concurrency = sorted({n for m, _, n in loads if m == model})
+            ax.set_xticks(concurrency, [str(n) for n in concurrency])
             ax.set(xlabel="concurrent streams", ylabel=label, title=f"{model}: {label}")
             ax.grid(True, alpha=0.3)
             ax.legend()
@@ -188,13 +241,16 @@ def _part_results(results: Results, part: str) -> Results:
                           if key[1] in LOAD_PATHS.get(part, ())},
                    job_path=results.job_path if part == "latency" else {},
                    decomposition=results.decomposition if part == "latency" else {},
+                   concurrency_loads=results.concurrency_loads if part == "concurrency" else {},
+                   series=results.series if part == "concurrency" else {},
                    notes={key: note for key, note in results.notes.items() if _item_number(key) in items})
 
 
 def _plan_line(plan: Plan) -> str:
     return (f"{plan.reps} repetitions ({plan.tiny_load_reps} for the tiny model's loads); streams of "
             f"{plan.max_tokens} output tokens (ignore_eos, temperature 0) at "
-            f"{', '.join(map(str, plan.concurrency))} concurrent streams; models in "
+            f"{', '.join(map(str, plan.concurrency))} concurrent streams (item 13: "
+            f"{', '.join(map(str, plan.adaptive_concurrency))}); models in "
             f"{plan.dtype or 'their own dtype (bfloat16)'}.")
 
 
@@ -203,11 +259,12 @@ def _section(part: str, results: Results, out: Path, run: list[str]) -> str:
     mine = _part_results(results, part)
     charted = []
     if mine.loads:
-        chart(mine, LOAD_PATHS[part], out / CHARTS[part])
+        chart(mine.loads, LOAD_PATHS[part], out / CHARTS[part])
         charted = [f"![tokens/s and time to first token against concurrency]({CHARTS[part]})", "",
                    "### Medians per path", "", _loads_table(mine), ""]
     lines = [SECTION_START.format(part), f"## {PARTS[part][0]}", "", *run,
              "", _markdown(HEADER, _rows(mine)), "", *charted, *_latency_sections(mine, out),
+             *_concurrency_sections(mine, out),
              *(["### Notes", "", *(f"- {key}: {note}" for key, note in mine.notes.items()), ""]
                if mine.notes else []),
              SECTION_END.format(part)]

@@ -126,19 +126,19 @@ class Endpoint(Server):
     what = "the local endpoint"
 
     def __init__(self, env: dict[str, str], log_path: Path, handler: Path | None = None,
-                 traced: bool = False) -> None:
+                 traced: bool = False, workers: int = 1) -> None:
         """``handler``: another worker script than src/handler.py (whose start-up is then not measured);
         ``traced``: run the endpoint under ``bench/trace_endpoint.py``, which stamps its job path."""
-        self.handler = handler
+        self.handler, self.workers = handler, workers
         launcher = [str(REPO / "bench" / "trace_endpoint.py")] if traced else ["-m", "endpoint"]
-        super().__init__([sys.executable, *launcher, "--workers", "1",
+        super().__init__([sys.executable, *launcher, "--workers", str(workers),
                           *(["--handler", str(handler)] if handler else [])], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
 
     def _ready(self) -> bool:
-        """Ready when the worker first calls for work; src/handler.py's start-up is measured then."""
+        """Ready when every worker has called for work; src/handler.py's start-up is measured then."""
         response = self.get(f"http://127.0.0.1:{self.port}/v2/local/health")
-        if response is None or response.json()["workers"]["ready"] < 1:
+        if response is None or response.json()["workers"]["ready"] < self.workers:
             return False
         if self.handler is None:
             self.start_up = self._start_up(taking_jobs=time.time())

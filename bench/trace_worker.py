@@ -1,5 +1,6 @@
 """Runs a worker script with time stamps on its job path: ``TRACE_TARGET=src/handler.py TRACE_FILE=f
 python bench/trace_worker.py`` (``python -m endpoint --handler bench/trace_worker.py`` runs it there).
+With ``LOAD_TRACE_FILE``, it also records what the concurrency controller saw after each engine step.
 
 Item 9 of the bench needs to know where a job's first byte spends its time inside the worker, without
 changing the worker: this wraps, in the runpod SDK, the job fetch (``get_job`` returned the job), the
@@ -19,7 +20,11 @@ import time
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-TRACE = open(os.environ["TRACE_FILE"], "a", buffering=1)  # noqa: SIM115 - open while the worker runs
+# Open while the worker runs; either may be unset.
+TRACE = open(os.environ.get("TRACE_FILE", os.devnull), "a", buffering=1)  # noqa: SIM115
+# "{worker}" in LOAD_TRACE_FILE: this worker's id (the local endpoint's RUNPOD_POD_ID), a file per worker.
+LOAD_TRACE = open(os.environ.get("LOAD_TRACE_FILE", os.devnull).format(  # noqa: SIM115
+    worker=os.environ.get("RUNPOD_POD_ID", "worker")), "a", buffering=1)
 _seen: set[tuple[str, str]] = set()
 
 
@@ -67,12 +72,27 @@ def _wrap_start(start):
     return traced
 
 
+def _wrap_observe(observe):
+    """``Concurrency.observe``, appending ``time held target running waiting kv_usage started finished
+    preempted`` after each engine step (as the controller saw it) to LOAD_TRACE_FILE."""
+    @functools.wraps(observe)
+    def traced(self, **load):
+        observe(self, **load)
+        LOAD_TRACE.write(f"{time.time():.6f} {self._held()} {self.target} {load['running']} "
+                         f"{load['waiting']} {load['kv_usage']:.4f} {load['started']} {load['finished']} "
+                         f"{load.get('preempted', 0)}\n")
+    return traced
+
+
 def install() -> None:
     sys.path.insert(0, str(SRC))
     import runpod
     from runpod.serverless.modules import rp_job, rp_scale
 
+    import concurrency
     import job_loop
+
+    concurrency.Concurrency.observe = _wrap_observe(concurrency.Concurrency.observe)
 
     rp_scale.get_job = _wrap_get_job(rp_scale.get_job)  # JobScaler.__init__ reads it from here
     for cls in (rp_scale.JobScaler, job_loop.JobLoop):
@@ -81,8 +101,18 @@ def install() -> None:
     runpod.serverless.start = _wrap_start(runpod.serverless.start)
 
 
+def pin_engine() -> None:
+    """With ``TRACE_PIN_ENGINE``, the engine's threads of the local endpoint's N-th worker run on core
+    N alone (modulo the cores), as if each worker had its machine: two engines on the same cores slow
+    each other's start of a burst by seconds."""
+    worker = os.environ.get("RUNPOD_POD_ID", "")
+    if os.environ.get("TRACE_PIN_ENGINE") and worker.rpartition("-")[2].isdigit():
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(int(worker.rpartition("-")[2]) % os.cpu_count())
+
+
 if __name__ == "__main__":
     target = Path(os.environ["TRACE_TARGET"]).resolve()
+    pin_engine()
     install()
     sys.path.insert(0, str(target.parent))  # as running the script itself would
     sys.argv[0] = str(target)

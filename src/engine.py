@@ -29,11 +29,13 @@ from tokenizer import TokenizerWrapper, prompt_chars
 from vllm_adapter import (
     POOLING_TASKS,
     AsyncLLM,
+    LoadObserver,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
     compiles,
     load_chat_template,
+    max_num_seqs,
     start_engine,
 )
 
@@ -70,22 +72,24 @@ def _new_tokens(output: RequestOutput) -> int:
     return sum(len(completion.token_ids) for completion in completions)
 
 
-async def _start(args: ResolvedArgs) -> AsyncLLM:
+async def _start(args: ResolvedArgs, on_load: LoadObserver | None) -> AsyncLLM:
     # Built inside the engine's private loop, which its output handler then belongs to. Building
     # the engine configuration first raises ConfigError for combinations vLLM rejects.
-    return start_engine(args.engine_config(), args.engine_args)
+    return start_engine(args.engine_config(), args.engine_args, on_load)
 
 
 class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
     """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
 
-    def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True) -> None:
+    def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True,
+                 on_load: LoadObserver | None = None) -> None:
         """``warm_up=False`` leaves the warm-up request to the caller (``warm_up()``), which may
-        run it beside other start-up work."""
+        run it beside other start-up work. ``on_load`` gets vLLM's scheduler state after each engine
+        step (``concurrency.Concurrency.observe``)."""
         config = config or load_config()
         loop = BackgroundLoop("vllm-engine")
         started = time.perf_counter()
-        llm = loop.run(_start(config.args))
+        llm = loop.run(_start(config.args, on_load))
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
         self._assemble(config.settings, llm, loop, config)
         if warm_up:
@@ -147,7 +151,8 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
 
     @property
     def max_concurrency(self) -> int:
-        return self.settings.max_concurrency
+        """The most jobs the worker holds: MAX_CONCURRENCY, else what one engine step batches."""
+        return self.settings.max_concurrency or max_num_seqs(self.llm)
 
     async def generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
         """Raw job output items; callable from any event loop."""

@@ -37,7 +37,9 @@ from errors import ConfigError, ErrorPayload, RequestError, error_from_exception
 from job_input import JobInput
 
 if TYPE_CHECKING:
-    from settings import WorkerSettings
+    from concurrency import Concurrency
+    from engine import vLLMEngine
+    from settings import WorkerConfig, WorkerSettings
 
 log = logging.getLogger("handler")
 
@@ -151,16 +153,19 @@ def _configure_logging() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _concurrency(settings: WorkerSettings) -> Callable[[int], int]:
-    """The SDK's concurrency modifier; its first call, in the SDK's job loop, adds the grace period."""
+def _concurrency(settings: WorkerSettings, jobs: Concurrency, resizes_busy: bool) -> Callable[[int], int]:
+    """The SDK's concurrency modifier: the controller's target. Its first call, in the SDK's job
+    loop, adds the grace period. ``resizes_busy``: the job loop applies a new number to a worker
+    holding jobs (``job_loop.JobLoop``); the SDK's own waits until the worker is empty, so it gets
+    a new number only when the worker holds none."""
     grace_added = False
 
-    def concurrency(_current: int) -> int:
+    def concurrency(current: int) -> int:
         nonlocal grace_added
         if not grace_added:
             _add_grace_period(settings.shutdown_grace_period)
             grace_added = True
-        return settings.max_concurrency
+        return jobs.target if resizes_busy or not deadlines.running else current
 
     return concurrency
 
@@ -179,6 +184,19 @@ def _import_serving() -> None:
         import_app_modules()
     except Exception:  # noqa: BLE001, S110 - main() imports these again and reports the error
         return
+
+
+def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEngine, Concurrency]:
+    """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold)."""
+    from concurrency import Concurrency
+    from engine import vLLMEngine
+
+    jobs = Concurrency(config.settings.min_concurrency, config.settings.max_concurrency,
+                       held=lambda: deadlines.running)
+    # A fixed number needs no scheduler statistics (which cost the engine some CPU per token).
+    engine = vLLMEngine(config, warm_up=warm_up, on_load=None if jobs.fixed else jobs.observe)
+    jobs.set_cap(engine.max_concurrency)
+    return engine, jobs
 
 
 def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
@@ -203,7 +221,6 @@ def main() -> None:
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
     from compile_cache import EngineStart
-    from engine import vLLMEngine
     from settings import load_config
     from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
 
@@ -220,12 +237,14 @@ def main() -> None:
         # What only serving needs is imported while vLLM's processes start (not at the top:
         # vLLM's spawned processes re-import this file).
         threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
-        vllm_engine = vLLMEngine(config, warm_up=False)
+        vllm_engine, jobs = start_engine(config, warm_up=False)
         phase("engine")
         import runpod
 
         import job_loop
         from openai_engine import OpenAIvLLMEngine
+
+        jobs.on_raise = job_loop.wake
 
         cache_state = cache.end(vllm_engine.compiles)
         warming = vllm_engine.warm_up()  # beside building the app: both wait on vLLM's processes
@@ -238,14 +257,14 @@ def main() -> None:
     except Exception:
         log.exception("Worker startup failed")
         sys.exit(1)
-    log.info("Worker ready: taking up to %d concurrent jobs; start-up %s; compile cache %s",
-             config.settings.max_concurrency,
+    log.info("Worker ready: taking %d to %d concurrent jobs, %d at first; start-up %s; compile cache %s",
+             jobs.floor, jobs.cap, jobs.target,
              " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()), cache_state)
-    job_loop.install(config.settings.job_loop == "worker")
+    resizes_busy = job_loop.install(config.settings.job_loop == "worker")
     try:
         runpod.serverless.start({
             "handler": handler,
-            "concurrency_modifier": _concurrency(config.settings),
+            "concurrency_modifier": _concurrency(config.settings, jobs, resizes_busy),
             "return_aggregate_stream": True,
         })
     finally:  # the SDK returns after SIGTERM: stop vLLM's processes rather than orphan them

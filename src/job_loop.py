@@ -10,7 +10,7 @@ refilled when it frees.
 
 ``JobLoop`` overrides those three methods and ``handle_job``, waking on events instead: a taken job
 starts at once (before the next job-take request), a finished job wakes the fetcher, and a new
-concurrency applies to the next fetch.
+concurrency applies to the next fetch (a raised one, ``wake()``, wakes a full worker's fetcher).
 The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
 
 The overridden methods were read against one SDK version (``SDK_VERSION``): with another, the
@@ -21,6 +21,7 @@ the methods are reviewed again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from importlib.metadata import version
 from typing import Any
@@ -32,7 +33,8 @@ from runpod.serverless.modules.worker_state import Job, JobsProgress
 log = logging.getLogger(__name__)
 
 SDK_VERSION = "1.10.0"
-# A full worker re-reads the concurrency modifier this often while it waits for a slot.
+# A full worker re-reads the concurrency modifier this often while it waits for a slot (a raised
+# target also wakes it at once: wake()).
 RESCALE_SECONDS = 1.0
 # The in-progress file shows a taken or finished job by the next fetch, or after this long at the latest.
 PROGRESS_WRITE_SECONDS = 0.1
@@ -53,6 +55,9 @@ class JobLoop(rp_scale.JobScaler):
         self._fetch_ended = asyncio.Event()
         self._slot_freed = asyncio.Event()
         self._fetching = False  # a job-take request is out: at shutdown, its jobs still run
+        self._loop: asyncio.AbstractEventLoop | None = None  # the SDK's, once get_jobs runs
+        global _current
+        _current = self
 
     async def set_scale(self) -> None:
         try:
@@ -67,7 +72,8 @@ class JobLoop(rp_scale.JobScaler):
 
     async def get_jobs(self, session: Any) -> None:
         """Take as many jobs as there are free slots and start them; when no slot is free, wait
-        until one frees (or, to re-read the concurrency modifier, RESCALE_SECONDS)."""
+        until one frees, the concurrency rises (wake()) or RESCALE_SECONDS pass."""
+        self._loop = asyncio.get_running_loop()
         while self.is_alive():
             await self.set_scale()
             wanted = self.current_concurrency - self.current_occupancy()
@@ -167,6 +173,17 @@ class _ProgressFile:
     def _changed(self) -> None:
         if self._pending is None:
             self._pending = asyncio.get_running_loop().call_later(PROGRESS_WRITE_SECONDS, self.flush)
+
+
+_current: JobLoop | None = None  # the process's job loop, once runpod.serverless.start built it
+
+
+def wake() -> None:
+    """Make a full worker read the concurrency modifier now (it rose); from any thread."""
+    job_loop = _current
+    if job_loop is not None and job_loop._loop is not None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the worker is stopping
+            job_loop._loop.call_soon_threadsafe(job_loop._slot_freed.set)
 
 
 async def _wait(event: asyncio.Event, timeout: float) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine_args import ResolvedArgs, known_env_names, resolve_args
 from errors import ConfigError
@@ -44,7 +44,9 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    max_concurrency: int = Field(30, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
+    # Jobs held at once: adaptive (concurrency.py) between these; no maximum means vLLM's max_num_seqs.
+    max_concurrency: int | None = Field(None, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
+    min_concurrency: int = Field(1, ge=1, validation_alias=_env("MIN_CONCURRENCY"))
     max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
     min_batch_size: int = Field(
         1, ge=1, validation_alias=_env("MIN_BATCH_SIZE", "DEFAULT_MIN_BATCH_SIZE"))
@@ -64,6 +66,13 @@ class WorkerSettings(BaseModel):
     # Keep vLLM's compile cache on the network volume, when one is mounted (compile_cache.py).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
 
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> WorkerSettings:
+        if self.max_concurrency is not None and self.min_concurrency > self.max_concurrency:
+            raise ValueError(f"MIN_CONCURRENCY={self.min_concurrency} is above "
+                             f"MAX_CONCURRENCY={self.max_concurrency}")
+        return self
+
     @classmethod
     def env_names(cls) -> frozenset[str]:
         return frozenset(name for f in cls.model_fields.values()
@@ -79,7 +88,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
         return WorkerSettings.model_validate(given)
     except ValidationError as exc:
         lines = [f"env {err['loc'][0]}={given.get(str(err['loc'][0]))!r}: {err['msg']}"
-                 for err in exc.errors()]
+                 if err["loc"] else err["msg"].removeprefix("Value error, ") for err in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 

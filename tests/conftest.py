@@ -58,11 +58,26 @@ def engine_env(model: Path, **extra: str) -> dict[str, str]:
             "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json", **extra}
 
 
+class LoadFeed:
+    """The engines' scheduler feed (``vLLMEngine(on_load=...)``), handed to whatever observers a
+    test adds (a ``concurrency.Concurrency``'s ``observe``): one engine serves every test."""
+
+    def __init__(self) -> None:
+        self.observers: list = []
+
+    def __call__(self, **load) -> None:
+        for observe in self.observers:
+            observe(**load)
+
+
+LOAD_FEED = LoadFeed()
+
+
 def _build_engine(env: dict[str, str]):
     from engine import vLLMEngine
     from settings import load_config
 
-    return vLLMEngine(load_config(env))
+    return vLLMEngine(load_config(env), on_load=LOAD_FEED)
 
 
 def build_lora(base: Path, dest: Path) -> Path:

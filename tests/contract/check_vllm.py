@@ -84,7 +84,7 @@ def test_the_engine_calls_the_worker_makes_still_bind():
 
     llm = adapter.AsyncLLM
     inspect.signature(llm.from_vllm_config).bind(
-        object(), usage_context=None, enable_log_requests=False, disable_log_stats=True)
+        object(), usage_context=None, enable_log_requests=False, disable_log_stats=True, stat_loggers=[])
     inspect.signature(llm.generate).bind(object(), "prompt", "params", "request-id")
     inspect.signature(llm.encode).bind(object(), "prompt", "params", "request-id")
     for name in ("get_tokenizer", "get_supported_tasks", "shutdown"):
@@ -92,6 +92,27 @@ def test_the_engine_calls_the_worker_makes_still_bind():
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"index", "text", "token_ids", "logprobs"} <= fields
     assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
+
+
+def test_the_scheduler_feed_reads_what_this_release_reports():
+    """The concurrency controller's feed (a stat logger) on this release's own statistics objects; and
+    the logger list it drops vLLM's Prometheus logger from."""
+    from vllm.v1.metrics.loggers import StatLoggerManager
+    from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
+
+    loads = []
+    tap = adapter._load_tap(lambda **load: loads.append(load))(object(), engine_indexes=[0, 1])
+    step = IterationStats()
+    step.time_to_first_tokens_iter += [0.1, 0.2]
+    step.num_preempted_reqs = 1
+    step.finished_requests.append(FinishedRequestStats(finish_reason=None))
+    tap.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5), step, engine_idx=1)
+    tap.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1), None, engine_idx=0)
+    assert loads == [{"running": 3, "waiting": 2, "kv_usage": 0.25, "started": 2, "finished": 1, "preempted": 1},
+                     {"running": 4, "waiting": 2, "kv_usage": 0.3, "started": 0, "finished": 0, "preempted": 0}]
+    # What _drop_prometheus edits: the engine's logger manager and its list of loggers.
+    assert "self.logger_manager" in inspect.getsource(adapter.AsyncLLM.__init__)
+    assert "self.stat_loggers" in inspect.getsource(StatLoggerManager.__init__)
 
 
 # --- 2. env → flag, for every flag ----------------------------------------------------------------

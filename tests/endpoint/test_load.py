@@ -1,5 +1,5 @@
 """Load through the local endpoint and the real runpod worker loop: mixed raw and OpenAI jobs,
-streaming and not, submitted in bursts to one worker with MAX_CONCURRENCY=30. Every job
+streaming and not, submitted in bursts to one worker with a fixed concurrency of 30. Every job
 completes exactly once with well-formed output, the worker fills its 30 slots, and its memory
 does not grow across the second half.
 
@@ -98,7 +98,8 @@ def percentile(ordered: list[float], q: float) -> float:
 
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, tmp_path_factory):
-    local = LocalEndpoint({**tiny_env, "MAX_CONCURRENCY": str(CONCURRENCY)}, 1,
+    fixed = {"MIN_CONCURRENCY": str(CONCURRENCY), "MAX_CONCURRENCY": str(CONCURRENCY)}  # the job loop's fill, not the controller's choice
+    local = LocalEndpoint({**tiny_env, **fixed}, 1,
                           tmp_path_factory.mktemp("load") / "endpoint.log")
     yield local
     local.stop()

@@ -298,6 +298,7 @@ def test_yaml_keys_like_vllm_serve_config(files, caplog):
     ({"LORA_MODULES": "[{"}, ["LORA_MODULES", "not valid JSON"]),
     ({"NUM_SPECULATIVE_TOKENS": "three", "SPECULATIVE_MODEL": "x"}, ["NUM_SPECULATIVE_TOKENS='three'"]),
     ({"MAX_CONCURRENCY": "many"}, ["MAX_CONCURRENCY='many'", "valid integer"]),
+    ({"MIN_CONCURRENCY": "8", "MAX_CONCURRENCY": "4"}, ["MIN_CONCURRENCY=8 is above MAX_CONCURRENCY=4"]),
     ({"MIN_BATCH_SIZE": "0"}, ["MIN_BATCH_SIZE='0'", "greater than or equal to 1"]),
     ({"RAW_OPENAI_OUTPUT": "sometimes"}, ["RAW_OPENAI_OUTPUT='sometimes'", "valid boolean"]),
     ({"TOOL_CALL_PARSER": "nope"}, ["TOOL_CALL_PARSER='nope'", "hermes"]),
@@ -374,8 +375,9 @@ def test_secrets_never_logged(files, caplog):
 
 def test_worker_settings_defaults():
     s = load_settings({})
-    assert (s.max_concurrency, s.max_batch_size, s.min_batch_size, s.batch_size_growth_factor,
-            s.raw_openai_output, s.openai_served_model_name_override) == (30, 50, 1, 3.0, True, None)
+    assert (s.max_concurrency, s.min_concurrency, s.max_batch_size, s.min_batch_size,
+            s.batch_size_growth_factor, s.raw_openai_output, s.openai_served_model_name_override) == (
+        None, 1, 50, 1, 3.0, True, None)
 
 
 def test_worker_settings_documented_spellings():

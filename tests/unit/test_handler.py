@@ -144,3 +144,18 @@ def test_an_immediate_exit_takes_the_child_processes_along(tmp_path):
     assert done.returncode == 3, done.stderr
     child = int(done.stdout.split()[0])
     wait_for(lambda: not alive(child), 10)  # killed (a zombie, or reaped); else it sleeps 60 s
+
+
+@pytest.mark.parametrize(("resizes_busy", "held", "expected"), [
+    (True, 5, 24),  # JobLoop applies a new number to a busy worker
+    (False, 5, 16),  # the SDK's loop would wait for the worker to drain: kept until it is empty
+    (False, 0, 24),
+])
+def test_the_concurrency_modifier_hands_the_sdk_loop_a_new_number_only_when_idle(monkeypatch, resizes_busy,
+                                                                                  held, expected):
+    from concurrency import Concurrency
+
+    monkeypatch.setattr(handler, "_add_grace_period", lambda _seconds: None)
+    monkeypatch.setattr(handler.deadlines, "running", held)
+    jobs = Concurrency(1, 256, held=lambda: held, start=24)
+    assert handler._concurrency(WorkerSettings(), jobs, resizes_busy)(16) == expected

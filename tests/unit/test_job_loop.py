@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import logging
 import pickle
+import threading
 from importlib.metadata import version
 
 import pytest
@@ -188,6 +189,21 @@ def test_a_new_concurrency_applies_to_the_next_fetch_without_draining():
         assert len(platform.running) == 1  # j4 runs; nothing new until it ends
 
     run_with_loop(2, scenario)
+
+
+def test_a_raised_concurrency_wakes_a_full_worker_at_once_from_another_thread():
+    async def scenario(platform: Platform, _scaler) -> None:
+        platform.submit(*(f"j{i}" for i in range(4)))
+        await turns()
+        assert len(platform.running) == 1
+        platform.concurrency = 3
+        waking = threading.Thread(target=job_loop.wake)  # the engine's thread calls it
+        waking.start()
+        waking.join()
+        await turns(10)  # well before RESCALE_SECONDS
+        assert len(platform.running) == 3
+
+    run_with_loop(1, scenario)
 
 
 def test_at_shutdown_jobs_in_flight_and_jobs_of_the_last_fetch_finish_and_nothing_more_is_taken():

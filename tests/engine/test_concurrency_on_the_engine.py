@@ -1,0 +1,59 @@
+"""The concurrency controller on the real engine: vLLM's scheduler feeds it after each step, and a
+worker full of jobs the engine runs at once is given more (whole workers behind the local
+endpoint: tests/endpoint/test_adaptive_concurrency.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from conftest import LOAD_FEED
+
+import handler
+from concurrency import START, Concurrency
+
+
+@contextlib.contextmanager
+def observed(jobs: Concurrency, loads: list[dict]):
+    LOAD_FEED.observers += [jobs.observe, lambda **load: loads.append(load)]
+    try:
+        yield
+    finally:
+        LOAD_FEED.observers.clear()
+
+
+def run_at_once(count: int, max_tokens: int) -> list[list]:
+    job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+
+    async def one(i: int) -> list:
+        return [item async for item in handler.handler({"id": f"c-{i}", "input": job})]
+
+    async def every() -> list[list]:
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+    return asyncio.run(every())
+
+
+def test_a_full_worker_whose_engine_runs_every_job_is_given_more(tiny_engine, monkeypatch):
+    monkeypatch.setattr(handler, "vllm_engine", tiny_engine)
+    jobs = Concurrency(1, None, held=lambda: handler.deadlines.running)
+    jobs.set_cap(tiny_engine.max_concurrency)
+    assert (jobs.target, jobs.cap) == (START, 256)  # the worker's max_num_seqs
+    loads: list[dict] = []
+    with observed(jobs, loads):
+        results = run_at_once(40, max_tokens=64)
+    assert all(r[0]["usage"]["output"] == 64 for r in results)
+    # Every request started and finished once, and vLLM ran all 40 in one batch, none preempted.
+    assert sum(load["started"] for load in loads) == sum(load["finished"] for load in loads) == 40
+    assert max(load["running"] for load in loads) == 40
+    assert not any(load["preempted"] for load in loads)
+    assert loads[-1]["running"] == loads[-1]["waiting"] == 0 and loads[-1]["kv_usage"] == 0
+    assert max(load["kv_usage"] for load in loads) > 0
+    # 40 held ≥ 16, ≥ 24, ≥ 36, each once the jobs held before the last rise run: 54, where 40
+    # held no longer fill it.
+    assert jobs.target == 54
+
+
+def test_the_engine_feeds_the_controller_and_keeps_no_prometheus_metrics(tiny_engine):
+    # /metrics is not served: vLLM's Prometheus logger would only cost CPU per token.
+    assert [type(logger).__name__ for logger in tiny_engine.llm.logger_manager.stat_loggers] == ["LoadTap"]

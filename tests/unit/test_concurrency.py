@@ -1,0 +1,237 @@
+"""The concurrency controller's rule, step by step, and over a toy scheduler (pure logic: the real
+engine's feed is tested in tests/engine/test_concurrency_on_the_engine.py, whole workers in
+tests/endpoint/test_adaptive_concurrency.py)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+
+from concurrency import KV_HEADROOM, PATIENCE, START, Concurrency
+
+
+class Held:
+    """The jobs the worker holds, as the test sets them."""
+
+    def __init__(self, count: int = 0) -> None:
+        self.count = count
+
+    def __call__(self) -> int:
+        return self.count
+
+
+def step(jobs: Concurrency, running: int, waiting: int = 0, kv_usage: float = 0.1, started: int = 0,
+         finished: int = 0, preempted: int = 0) -> int:
+    jobs.observe(running=running, waiting=waiting, kv_usage=kv_usage, started=started, finished=finished,
+                 preempted=preempted)
+    return jobs.target
+
+
+def out_of_room(jobs: Concurrency, running: int) -> None:
+    """Requests wait ``PATIENCE`` steps while none starts: the ramp ends."""
+    for _ in range(PATIENCE):
+        step(jobs, running, waiting=5, kv_usage=0.95)
+
+
+def test_a_full_worker_ramps_up_by_half_while_the_engine_has_room():
+    held = Held()
+    jobs = Concurrency(1, 256, held)
+    targets = [jobs.target]
+    for _ in range(6):
+        held.count = jobs.target  # the job loop took a job for every slot
+        targets.append(step(jobs, running=held.count))
+    assert targets == [START, 24, 36, 54, 81, 122, 183]
+
+
+def test_the_ramp_waits_until_vllm_runs_the_jobs_held_before_its_last_rise():
+    held = Held(START)
+    jobs = Concurrency(1, 256, held)
+    assert step(jobs, running=0) == 24
+    held.count = 24
+    assert step(jobs, running=10) == 24  # of the 16 held before, 10 have reached the engine
+    assert step(jobs, running=16) == 36
+
+
+@pytest.mark.parametrize("load", [
+    {"running": 5},  # 5 jobs held of 16: no evidence that more would be served
+    {"running": 16, "waiting": 4, "started": 4},  # a prefill still waits for the token budget
+    {"running": 16, "kv_usage": KV_HEADROOM},  # the KV cache is nearly full
+])
+def test_the_target_holds_unless_a_full_worker_has_room(load):
+    jobs = Concurrency(1, 256, Held(min(load["running"], START)))
+    assert step(jobs, **load) == START
+
+
+def test_a_burst_whose_prefill_spans_steps_never_shrinks_the_target():
+    jobs = Concurrency(1, 256, Held(128), start=128)
+    for running in range(32, 128, 16):  # requests wait for many steps, but some start in each
+        assert step(jobs, running, waiting=128 - running, started=16) == 128
+
+
+def test_waiting_with_none_started_for_patience_steps_shrinks_to_what_the_engine_ran():
+    jobs = Concurrency(1, 256, Held(40), start=40)
+    for _ in range(PATIENCE - 1):
+        assert step(jobs, running=30, waiting=10, kv_usage=0.99) == 40
+    # The requests that finished in the step ran in it too (vLLM counts them out before it admits).
+    assert step(jobs, running=24, waiting=10, kv_usage=0.99, finished=6) == 30
+
+
+def test_a_preemption_reported_shrinks_to_what_ran_without_it_never_below_the_floor():
+    # vLLM reports a preemption when the preempted request resumes: it is among those running.
+    jobs = Concurrency(4, 256, Held(20), start=20)
+    assert step(jobs, running=18, kv_usage=0.99, finished=2, preempted=1) == 19
+    jobs._held.count = 19
+    assert step(jobs, running=3, kv_usage=0.99, preempted=2) == 4
+    assert step(jobs, running=30, kv_usage=0.99, preempted=1) == 4  # never raised by one
+
+
+def test_while_the_worker_drains_a_surplus_the_engine_is_not_read_as_full_again():
+    held = Held(54)
+    jobs = Concurrency(1, 256, held, start=54)
+    out_of_room(jobs, running=43)
+    assert jobs.target == 43
+    for running in (40, 30, 20, 10):  # the surplus it took before the cut preempts, waits, finishes
+        assert step(jobs, running, waiting=54 - running, kv_usage=1.0, preempted=1) == 43
+    held.count = 43
+    out_of_room(jobs, running=21)
+    assert jobs.target == 21
+
+
+def test_after_the_ramp_growth_waits_a_round_and_leaves_the_kv_headroom_its_peak_shows():
+    held = Held(20)
+    jobs = Concurrency(1, 256, held, start=20)
+    out_of_room(jobs, running=20)
+    for kv, finished in ((0.3, 5), (0.5, 5), (0.6, 5), (0.45, 4)):  # 19 finish: not a round yet
+        assert step(jobs, 20, kv_usage=kv, finished=finished) == 20
+    assert step(jobs, 20, kv_usage=0.4, finished=1) == int(20 * KV_HEADROOM / 0.6)  # 30: room for half
+    held.count = 30
+    for _ in range(3):
+        step(jobs, 30, kv_usage=0.85, finished=10)
+    assert jobs.target == 31  # 0.9 / 0.85: one more
+    held.count = 31
+    for _ in range(4):
+        step(jobs, 31, kv_usage=0.88, finished=10)
+    assert jobs.target == 31  # room for less than one more
+
+
+def test_growth_stops_at_the_cap_and_equal_bounds_fix_the_number():
+    held = Held()
+    jobs = Concurrency(1, 20, held)
+    for _ in range(3):
+        held.count = jobs.target
+        step(jobs, held.count)
+    assert jobs.target == 20
+    fixed = Concurrency(30, 30, Held(30))
+    step(fixed, 30)
+    step(fixed, 3, kv_usage=0.99, preempted=5)
+    out_of_room(fixed, 3)
+    assert fixed.target == 30
+
+
+def test_the_cap_resolved_after_start_bounds_the_target():
+    jobs = Concurrency(1, None, Held())  # MAX_CONCURRENCY unset: vLLM's max_num_seqs, once known
+    jobs.set_cap(256)
+    assert (jobs.target, jobs.cap) == (START, 256)
+    jobs = Concurrency(1, None, Held())
+    jobs.set_cap(8)
+    assert (jobs.target, jobs.cap) == (8, 8)
+
+
+def test_each_change_is_logged_once_and_a_rise_wakes_the_job_loop(caplog):
+    raised = []
+    jobs = Concurrency(1, 256, Held(START), on_raise=lambda: raised.append(jobs.target))
+    with caplog.at_level(logging.INFO, logger="concurrency"):
+        step(jobs, START)  # grows: 16 -> 24
+        for _ in range(10):  # held stays 16 of 24: no change, nothing logged
+            step(jobs, START)
+        jobs._held.count = 24
+        out_of_room(jobs, 20)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Concurrency 16 -> 24: the engine has room", "Concurrency 24 -> 20: requests wait in vLLM"]
+    assert raised == [24]
+
+
+# --- over a toy scheduler ---------------------------------------------------------------------------
+
+
+class ToyEngine:
+    """vLLM's scheduling in miniature: KV blocks allocated per ``BLOCK`` tokens; a waiting request is
+    admitted (and prefilled, producing its first token) when its prompt's blocks are free; a running
+    request that needs a block when none is free preempts the newest one, which waits to be computed
+    again (and is reported preempted when it resumes, as vLLM reports it); every running request
+    makes one token per step."""
+
+    BLOCK = 128
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks, self.running, self.waiting, self.used = blocks, [], [], {}
+        self.preemptions = 0
+
+    def _free(self) -> int:
+        return self.blocks - sum(self.used.values())
+
+    def step(self) -> dict:
+        preempted = resumed = started = finished = 0
+        for request in list(self.running):
+            while request in self.running and math.ceil((request["done"] + 1) / self.BLOCK) > self.used[
+                    id(request)]:
+                if self._free():
+                    self.used[id(request)] += 1
+                    continue
+                victim = self.running.pop()
+                del self.used[id(victim)]
+                victim["done"], victim["preempted"] = victim["prompt"], True
+                self.waiting.insert(0, victim)
+                preempted += 1
+        while not preempted and self.waiting and math.ceil(
+                self.waiting[0]["prompt"] / self.BLOCK) <= self._free():
+            request = self.waiting.pop(0)
+            self.running.append(request)
+            self.used[id(request)] = math.ceil(request["prompt"] / self.BLOCK)
+            started += not request.setdefault("started", False)
+            resumed += request.pop("preempted", False)
+            request["started"] = True
+        for request in list(self.running):
+            request["done"] += 1
+            if request["done"] >= request["prompt"] + request["out"]:
+                self.running.remove(request)
+                del self.used[id(request)]
+                finished += 1
+        self.preemptions += preempted
+        return {"running": len(self.running), "waiting": len(self.waiting),
+                "kv_usage": sum(self.used.values()) / self.blocks, "started": started, "finished": finished,
+                "preempted": resumed}
+
+
+def run_toy(blocks: int, clients: int, prompt: int, out: int, steps: int) -> tuple[ToyEngine, list[int]]:
+    """``clients`` in a closed loop (each sends its next request when one ends) through a worker whose
+    job loop fills its slots up to the target before each step; the target after each step."""
+    engine, held, queued, targets = ToyEngine(blocks), Held(), clients, []
+    jobs = Concurrency(1, 256, held)
+    for _ in range(steps):
+        for _ in range(max(0, min(queued, jobs.target - held.count))):
+            engine.waiting.append({"prompt": prompt, "out": out, "done": prompt})
+            held.count, queued = held.count + 1, queued - 1
+        load = engine.step()
+        held.count, queued = held.count - load["finished"], queued + load["finished"]
+        jobs.observe(**load)
+        targets.append(jobs.target)
+    return engine, targets
+
+
+@pytest.mark.parametrize(("blocks", "out", "fits"), [(43, 128, 21), (200, 400, 50), (90, 300, 30)])
+def test_on_a_small_kv_cache_the_target_settles_where_every_request_fits_and_preemptions_stop(
+        blocks, out, fits):
+    # 64 clients; a request of 70 prompt tokens holds one block when it starts and ends on its
+    # ceil((70 + out) / 128)-th: ``fits`` of them fit whole, ``blocks`` fit young.
+    preempted_by_then = run_toy(blocks=blocks, clients=64, prompt=70, out=out, steps=3000)[0].preemptions
+    engine, targets = run_toy(blocks=blocks, clients=64, prompt=70, out=out, steps=6000)
+    assert fits * KV_HEADROOM - 2 <= targets[-1] <= fits and len(set(targets[-1500:])) == 1
+    assert engine.preemptions == preempted_by_then > 0  # none after the first 3000 steps
+
+
+def test_with_room_for_every_client_the_target_follows_the_clients_and_nothing_waits():
+    engine, targets = run_toy(blocks=2000, clients=128, prompt=70, out=128, steps=1000)
+    assert engine.preemptions == 0 and targets[-1] >= 128 and targets[-1] == targets[10]
