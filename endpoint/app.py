@@ -29,7 +29,7 @@ from .jobs import Job, JobStore, Status
 
 __all__ = ["EndpointConfig", "create_app"]
 
-# How long an idle job-take or job-stop request is held open (the SDK re-polls at once).
+# How long an idle job-take or job-stop request is held open (a worker's JobLoop re-polls at once).
 LONG_POLL_SECONDS = 3.0
 # How FastAPI reads a bool query parameter such as vLLM's ``GET /v1/responses/{id}?stream=true``.
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})

@@ -6,11 +6,13 @@ refilled when it frees.
 
 - ``run_jobs`` looks at its queue every 0.1 s, so a taken job waits 0-100 ms before it starts;
 - ``get_jobs`` sleeps 1 s whenever every slot is busy, so a freed slot stays empty up to 1 s;
-- ``set_scale`` waits for the worker to drain before it applies a new concurrency.
+- ``set_scale`` waits for the worker to drain before it applies a new concurrency;
+- ``monitor_stop_signals`` pauses 1 s after every empty stop-channel poll, so a job stop may wait 1 s.
 
-``JobLoop`` overrides those three methods and ``handle_job``, waking on events instead: a taken job
+``JobLoop`` overrides those methods and ``handle_job``, waking on events instead: a taken job
 starts at once (before the next job-take request), a finished job wakes the fetcher, and a new
-concurrency applies to the next fetch (a raised one, ``wake()``, wakes a full worker's fetcher).
+concurrency applies to the next fetch (a raised one, ``wake()``, wakes a full worker's fetcher), and a
+stop-channel poll that the server held open and ended empty is made again at once.
 The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
 
 The overridden methods were read against one SDK version (``SDK_VERSION``): with another, the
@@ -22,12 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 from typing import Any
 
 from runpod.http_client import TooManyRequests
-from runpod.serverless.modules import rp_scale
+from runpod.serverless.modules import rp_job, rp_scale
 from runpod.serverless.modules.worker_state import Job, JobsProgress
 
 log = logging.getLogger(__name__)
@@ -39,6 +43,9 @@ RESCALE_SECONDS = 1.0
 # The in-progress file shows a taken or finished job by the next fetch, or after this long at the latest.
 PROGRESS_WRITE_SECONDS = 0.1
 RATE_LIMITED_SECONDS = 5.0  # RunPod answered 429: back off as the SDK does
+# A stop-channel poll held open this long was not answered at once (no spin to guard against); polls
+# are repeated for this long in all, well within the SDK's 90 s bound on one.
+STOP_POLL_HELD_SECONDS, STOP_POLL_SECONDS = 0.5, 60.0
 FETCH_ERROR_SECONDS = 1.0  # any other failed fetch: retry, without spinning
 
 
@@ -69,6 +76,15 @@ class JobLoop(rp_scale.JobScaler):
         super().kill_worker()
         self._fetch_ended.set()  # wake run_jobs and get_jobs, so they notice
         self._slot_freed.set()
+
+    async def monitor_stop_signals(self, session: Any) -> None:
+        """The SDK's stop-channel loop. It pauses 1 s after every poll that ends empty (against a
+        server that answers at once), so a stop signalled in that second waits for it: polls the
+        server held open are repeated at once instead (``_held_polls_repeated``)."""
+        fetch = self.stop_signals_fetcher
+        if fetch is not rp_job.get_stop_signals or rp_job._job_stop_url() is not None:
+            self.stop_signals_fetcher = functools.partial(_held_polls_repeated, fetch)
+        await super().monitor_stop_signals(session)
 
     async def get_jobs(self, session: Any) -> None:
         """Take as many jobs as there are free slots and start them; when no slot is free, wait
@@ -173,6 +189,18 @@ class _ProgressFile:
     def _changed(self) -> None:
         if self._pending is None:
             self._pending = asyncio.get_running_loop().call_later(PROGRESS_WRITE_SECONDS, self.flush)
+
+
+async def _held_polls_repeated(fetch: Callable[[Any], Awaitable[list[str]]], session: Any) -> list[str]:
+    """``fetch(session)`` (the stop channel's long poll), repeated while the server holds each poll
+    open (``STOP_POLL_HELD_SECONDS``) and ends it empty, for up to ``STOP_POLL_SECONDS``."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + STOP_POLL_SECONDS
+    while True:
+        began = loop.time()
+        stops = await fetch(session)
+        if stops or loop.time() - began < STOP_POLL_HELD_SECONDS or loop.time() > until:
+            return stops
 
 
 _current: JobLoop | None = None  # the process's job loop, once runpod.serverless.start built it

@@ -31,11 +31,13 @@ SDK_SOURCES = {
     "JobScaler.get_jobs": "e08b2e0cfb262643",
     "JobScaler.handle_job": "41942f20a816b244",
     "JobScaler.kill_worker": "863effbe007ad0f9",
+    "JobScaler.monitor_stop_signals": "3bf52c6dcde159b4",
     "JobScaler.run": "f6c6b5f871b94c72",
     "JobScaler.run_jobs": "74cd623de98ef8b4",
     "JobScaler.set_scale": "e137f173c456d41b",
     "rp_job.get_job": "8ce238208ca5261a",
     "rp_job._job_get_url": "08b9c30905c64480",
+    "rp_job._job_stop_url": "8f3407fceaf421fe",
     "JobsProgress._load_state": "ad13f28f271d3ff4",
     "JobsProgress._save_state": "19150356a474a85a",
     "JobsProgress.get_job_list": "ae30123a31e10b4d",
@@ -202,6 +204,27 @@ def test_a_raised_concurrency_wakes_a_full_worker_at_once_from_another_thread():
         waking.join()
         await turns(10)  # well before RESCALE_SECONDS
         assert len(platform.running) == 3
+
+    run_with_loop(1, scenario)
+
+
+@pytest.mark.parametrize(("held", "polls"), [(0.06, 5), (0.0, 1)])
+def test_a_stop_poll_held_open_and_ended_empty_is_made_again_at_once(monkeypatch, held, polls):
+    # The SDK pauses 1 s after every empty poll; only polls answered at once should wait for it.
+    monkeypatch.setattr(job_loop, "STOP_POLL_HELD_SECONDS", 0.05)
+    asked = []
+
+    async def stop_signals(_session) -> list[str]:
+        asked.append(1)
+        await asyncio.sleep(held)
+        return []
+
+    async def scenario(_platform: Platform, scaler) -> None:
+        scaler.stop_signals_fetcher = stop_signals
+        watching = asyncio.create_task(scaler.monitor_stop_signals(None))
+        await asyncio.sleep(0.3)  # well before the SDK's 1 s pause ends
+        watching.cancel()
+        assert len(asked) >= polls if held else len(asked) == polls
 
     run_with_loop(1, scenario)
 
