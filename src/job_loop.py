@@ -7,12 +7,14 @@ refilled when it frees.
 - ``run_jobs`` looks at its queue every 0.1 s, so a taken job waits 0-100 ms before it starts;
 - ``get_jobs`` sleeps 1 s whenever every slot is busy, so a freed slot stays empty up to 1 s;
 - ``set_scale`` waits for the worker to drain before it applies a new concurrency;
-- ``monitor_stop_signals`` pauses 1 s after every empty stop-channel poll, so a job stop may wait 1 s.
+- ``monitor_stop_signals`` pauses 1 s after every empty stop-channel poll, so a job stop may wait
+  1 s, and at shutdown the process waits for its poll in progress after the last job has ended.
 
 ``JobLoop`` overrides those methods and ``handle_job``, waking on events instead: a taken job
 starts at once (before the next job-take request), a finished job wakes the fetcher, and a new
 concurrency applies to the next fetch (a raised one, ``wake()``, wakes a full worker's fetcher), and a
-stop-channel poll that the server held open and ended empty is made again at once.
+stop-channel poll that the server held open and ended empty is made again at once (and is
+dropped when the last job ends at shutdown).
 The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
 
 The overridden methods were read against one SDK version (``SDK_VERSION``): with another, the
@@ -61,6 +63,7 @@ class JobLoop(rp_scale.JobScaler):
         self._tasks: set[asyncio.Task] = set()
         self._fetch_ended = asyncio.Event()
         self._slot_freed = asyncio.Event()
+        self._drained = asyncio.Event()  # shut down, and the last job has ended
         self._fetching = False  # a job-take request is out: at shutdown, its jobs still run
         self._loop: asyncio.AbstractEventLoop | None = None  # the SDK's, once get_jobs runs
         global _current
@@ -80,11 +83,19 @@ class JobLoop(rp_scale.JobScaler):
     async def monitor_stop_signals(self, session: Any) -> None:
         """The SDK's stop-channel loop. It pauses 1 s after every poll that ends empty (against a
         server that answers at once), so a stop signalled in that second waits for it: polls the
-        server held open are repeated at once instead (``_held_polls_repeated``)."""
+        server held open are repeated at once instead (``_held_polls_repeated``). It ends when the
+        last job does: the SDK's ``run()`` waits for it before the process exits, and a poll in
+        progress may be held open for up to ``stop_signals_fetcher_timeout`` (90 s)."""
         fetch = self.stop_signals_fetcher
         if fetch is not rp_job.get_stop_signals or rp_job._job_stop_url() is not None:
             self.stop_signals_fetcher = functools.partial(_held_polls_repeated, fetch)
-        await super().monitor_stop_signals(session)
+        watching = asyncio.ensure_future(super().monitor_stop_signals(session))
+        drained = asyncio.ensure_future(self._drained.wait())
+        try:
+            await asyncio.wait((watching, drained), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watching.cancel()
+            drained.cancel()
 
     async def get_jobs(self, session: Any) -> None:
         """Take as many jobs as there are free slots and start them; when no slot is free, wait
@@ -148,6 +159,7 @@ class JobLoop(rp_scale.JobScaler):
             if isinstance(result, Exception):  # a stopped job is a CancelledError, not an Exception
                 log.error("A job failed while the worker shut down: %s", result)
         self.job_progress.flush()
+        self._drained.set()
 
     async def handle_job(self, session: Any, job: dict[str, Any]) -> None:
         try:

@@ -229,6 +229,32 @@ def test_a_stop_poll_held_open_and_ended_empty_is_made_again_at_once(monkeypatch
     run_with_loop(1, scenario)
 
 
+def test_at_shutdown_run_ends_with_the_last_job_not_with_a_stop_poll_held_open():
+    # The SDK's run() waits for the stop-channel loop, which waits for its poll in progress: the
+    # process stayed up that long after its jobs (up to a minute, with held polls repeated).
+    async def main() -> None:
+        platform = Platform(2)
+        scaler = platform.loop()
+
+        async def stop_signals(_session) -> list[str]:  # a server that holds every poll open 20 s
+            await asyncio.sleep(20)
+            return []
+
+        scaler.stop_signals_fetcher = stop_signals
+        runner = asyncio.create_task(scaler.run())
+        platform.submit("a", "b")
+        await turns()
+        scaler.kill_worker()  # SIGTERM: both jobs are in their grace period
+        await turns()
+        assert not runner.done()
+        for release in list(platform.running.values()):
+            release.set()
+        await asyncio.wait_for(runner, 5)
+        assert sorted(platform.finished) == ["a", "b"]
+
+    asyncio.run(main())
+
+
 def test_at_shutdown_jobs_in_flight_and_jobs_of_the_last_fetch_finish_and_nothing_more_is_taken():
     async def scenario(platform: Platform, scaler) -> None:
         platform.submit("running")
