@@ -76,7 +76,10 @@ def in_progress(endpoint: LocalEndpoint) -> int:
 
 
 def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurrency_file):
-    ids = submit(endpoint, 60, 0.5)
+    # The first four jobs end 100 ms apart, and so do the jobs that refill their slots: at 4 the
+    # worker frees one slot at a time. (Jobs that end together leave it empty for the milliseconds
+    # before the next job-take request, which a sample can catch.)
+    ids = [job for i in range(4) for job in submit(endpoint, 1, 0.5 + 0.1 * i)] + submit(endpoint, 56, 0.5)
     sampler = Sampler(endpoint)
     try:
         wait_for(lambda: in_progress(endpoint) == 4, 30)
@@ -96,8 +99,9 @@ def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurr
     # when jobs that started together end one by one while the concurrency falls to 2.
     assert max(queued) <= 10
     # Raised from 4 to 10: the worker took more jobs while its first ones ran. The runpod SDK's own
-    # loop drains to 0 first, and at 2 it never holds more than 2 again.
-    assert 0 not in queued[queued.index(4):raised]
+    # loop drains first (it holds 1 job for 100 ms, then none), and at 2 it never holds more than
+    # 2 again.
+    assert min(queued[queued.index(4):raised]) >= 2
     assert max((running for running, waiting in samples[lowered:] if waiting), default=0) <= 2
 
 
