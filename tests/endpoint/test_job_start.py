@@ -79,7 +79,7 @@ def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurr
     # The first four jobs end 100 ms apart, and so do the jobs that refill their slots: at 4 the
     # worker frees one slot at a time. (Jobs that end together leave it empty for the milliseconds
     # before the next job-take request, which a sample can catch.)
-    ids = [job for i in range(4) for job in submit(endpoint, 1, 0.5 + 0.1 * i)] + submit(endpoint, 56, 0.5)
+    ids = [submit(endpoint, 1, 0.5 + 0.1 * i)[0] for i in range(4)] + submit(endpoint, 56, 0.5)
     sampler = Sampler(endpoint)
     try:
         wait_for(lambda: in_progress(endpoint) == 4, 30)
