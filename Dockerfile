@@ -2,13 +2,17 @@
 # The RunPod serverless worker on the official vLLM OpenAI image, of the vLLM release the CPU test
 # suite runs (scripts/requirements-cpu.lock), so the tested code is the shipped code. Build it with
 # `docker buildx bake` (docker-bake.hcl); see the README's "Docker image" section.
+# BASE_IMAGE picks the flavour, and nothing else differs: the official image (GPU), or the CPU base
+# of builder/cpu-base.Dockerfile (bake target worker-cpu), which the image test tier builds and runs.
 ARG VLLM_VERSION=0.32.0
-FROM vllm/vllm-openai:v${VLLM_VERSION}
+ARG BASE_IMAGE=vllm/vllm-openai:v${VLLM_VERSION}
+FROM ${BASE_IMAGE}
 
 # The worker's own dependencies, pinned to the tested versions, with the base image's uv (as vLLM's
-# docs extend the image). The file is bind-mounted and uv keeps no cache: neither enters a layer.
-RUN --mount=type=bind,source=builder/requirements.txt,target=/tmp/requirements.txt \
-    uv pip install --system --no-cache -r /tmp/requirements.txt
+# docs extend the image); uv keeps no cache. Copied rather than bind-mounted: a copied file is part
+# of the layer's cache key with every builder (buildah ignores a bind mount's content).
+COPY builder/requirements.txt /opt/worker/requirements.txt
+RUN uv pip install --system --no-cache -r /opt/worker/requirements.txt
 
 # Opt-in and untested: the latest vLLM nightly wheel instead of the tested release.
 ARG VLLM_NIGHTLY=false
@@ -39,6 +43,8 @@ ARG QUANTIZATION=""
 # DL3064 reads "TOKEN" in these names as a secret; they name a tokenizer repo and its revision.
 # hadolint ignore=DL3064
 ARG TOKENIZER_NAME="" TOKENIZER_REVISION=""
+# The hub to bake from: huggingface.co, or a mirror or private hub speaking its API.
+ARG HF_ENDPOINT=https://huggingface.co
 COPY src/download_model.py src/baked_args.py /src/
 RUN --mount=type=secret,id=HF_TOKEN \
     HF_TOKEN_PATH=/run/secrets/HF_TOKEN HF_HOME=/tmp/hf-home python3 /src/download_model.py \

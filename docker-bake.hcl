@@ -1,6 +1,8 @@
 # docker buildx bake                                  the worker image, no model baked in
 # MODEL_NAME=org/name docker buildx bake worker-baked  the worker with org/name baked in
 # docker buildx bake worker-next                      the worker on NEXT_VLLM_VERSION (contract-checked)
+# docker buildx bake worker-cpu                       the worker on a CPU base (vLLM's CPU build)
+# MODEL_NAME=org/name docker buildx bake worker-cpu-baked  the same with org/name baked in
 # Every variable can be set the same way (from the environment) or with --set. The Hugging Face
 # token for gated or private models is read from the HF_TOKEN environment variable as a BuildKit
 # secret: it never becomes a build arg or part of a layer.
@@ -56,6 +58,10 @@ variable "QUANTIZATION" {
   default = ""
 }
 
+variable "HF_ENDPOINT" {
+  default = "https://huggingface.co"
+}
+
 group "default" {
   targets = ["worker"]
 }
@@ -83,6 +89,7 @@ target "worker-baked" {
     TOKENIZER_NAME     = TOKENIZER_NAME
     TOKENIZER_REVISION = TOKENIZER_REVISION
     QUANTIZATION       = QUANTIZATION
+    HF_ENDPOINT        = HF_ENDPOINT
   }
 }
 
@@ -93,4 +100,35 @@ target "worker-next" {
   args = {
     VLLM_VERSION = NEXT_VLLM_VERSION
   }
+}
+
+# The CPU flavour's base (builder/cpu-base.Dockerfile): Debian 12, its python3 and the CPU test lock
+# (vLLM's CPU build of VLLM_VERSION), in the official image's layout. Built by the worker-cpu targets.
+target "cpu-base" {
+  context    = "."
+  dockerfile = "builder/cpu-base.Dockerfile"
+  platforms  = ["linux/amd64"]
+  tags       = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-cpu-base"]
+  args = {
+    DEBIAN_IMAGE = "debian:bookworm-slim"
+  }
+}
+
+# The worker on the CPU base, for machines without a GPU (and the image the test suite builds and
+# runs): the same Dockerfile and steps as `worker`, only BASE_IMAGE differs.
+target "worker-cpu" {
+  inherits = ["worker"]
+  tags     = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-cpu"]
+  contexts = {
+    "vllm-cpu-base" = "target:cpu-base"
+  }
+  args = {
+    BASE_IMAGE = "vllm-cpu-base"
+  }
+}
+
+# The CPU worker with a model baked in, as worker-baked.
+target "worker-cpu-baked" {
+  inherits = ["worker-baked", "worker-cpu"]
+  tags     = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-cpu-${regex_replace(lower(MODEL_NAME), "[^a-z0-9_.-]+", "-")}"]
 }

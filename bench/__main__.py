@@ -6,7 +6,8 @@ Parts (items of the benchmark issue): ``stub`` (4: worker cost per token, no mod
 on ``Plan.latency_model`` and the stub worker), ``start`` (10-12: start-up beside ``vllm serve``, the
 compile cache cold and warm, weight load formats, on ``Plan.latency_model``), ``concurrency`` (13-16:
 adaptive concurrency beside ``vllm serve`` and a fixed 30, two workers under a burst, a small KV cache,
-the controller's cost). A run writes its parts'
+the controller's cost), ``image`` (17-19: the CPU image built with buildah, cold and cached, its
+layers, its start-up beside the checkout's). A run writes its parts'
 sections of ``bench/RESULTS.md`` (keeping the other parts' sections) and their charts; ``--quick`` (tiny
 model, short streams, two repetitions) writes them to a temporary folder instead.
 """
@@ -21,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import (adaptive_concurrency, cold_start, common, handler_overhead, job_start, openai_path, report,
-                   stub_cost)
+from bench import (adaptive_concurrency, cold_start, common, handler_overhead, image_build, job_start,
+                   openai_path, report, stub_cost)
 from bench.common import PARTS
 
 
@@ -77,6 +78,10 @@ def main() -> None:
     if "start" in parts:
         _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
         cold_start.run(plan, results)
+    if "image" in parts:
+        _progress(f"items 17, 18, 19, the CPU image: build, layers, start-up beside the checkout on "
+                  f"{plan.latency_model}")
+        image_build.run(plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
     path = report.write(results, out, parts, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))

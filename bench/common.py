@@ -31,7 +31,8 @@ PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
          "latency": ("Job start: the job path ÷ vllm serve (vllm bench), slots, emulator cost", (6, 7, 8, 9)),
          "start": ("Cold start: beside vllm serve, compile cache, weight loading", (10, 11, 12)),
          "concurrency": ("Adaptive concurrency: beside vllm serve, two workers, a small KV cache, cost",
-                         (13, 14, 15, 16))}
+                         (13, 14, 15, 16)),
+         "image": ("The CPU image: build time, size per layer, start-up beside the checkout", (17, 18, 19))}
 # The paths whose loads (tokens/s, TTFT) are charted, by the part that measures them.
 RAW_ENGINE, HANDLER, WORKER, VLLM_SERVE = "raw engine", "handler()", "worker", "vllm serve"
 LOAD_PATHS = {"engine": (RAW_ENGINE, HANDLER), "openai": (WORKER, VLLM_SERVE)}

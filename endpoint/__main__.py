@@ -5,6 +5,8 @@ real ``runpod.serverless.start`` loop, pointed at the server with RunPod's ``RUN
 variables), waits until every worker asks for work, prints the URLs, and on Ctrl-C or SIGTERM
 stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
 The workers inherit this environment: ``MODEL_NAME`` and every other worker setting.
+With ``--image IMAGE`` each worker is that image's own command in a container instead (see
+``container.py``), which gets only RunPod's variables and those named with ``--env``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .app import EndpointConfig, create_app
+from .container import ContainerLauncher
 from .jobs import JobStore
 
 HANDLER = Path(__file__).resolve().parents[1] / "src" / "handler.py"
@@ -81,17 +84,21 @@ class Supervisor:
     """Runs the workers and notices when one of them exits."""
 
     def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore,
-                 command: Sequence[str] = (sys.executable, str(HANDLER))) -> None:
+                 command: Sequence[str] = (sys.executable, str(HANDLER)),
+                 container: ContainerLauncher | None = None) -> None:
         self.store = store
+        self.container = container
         # Each worker gets its own working directory, as each RunPod worker has its own container:
         # the runpod SDK keeps its in-progress job list in a file in the working directory.
         # Each in its own process group, which the endpoint empties once the worker has exited:
         # a worker that dies abruptly may leave the SDK's heartbeat process behind.
         self.workdirs = {f"local-worker-{i}": tempfile.mkdtemp(prefix=f"local-worker-{i}-")
                          for i in range(count)}
-        self.procs = {worker: subprocess.Popen(
-            list(command), env=worker_env(base_url, worker, api_key), cwd=workdir, start_new_session=True)
-            for worker, workdir in self.workdirs.items()}
+        self.procs = {}
+        for worker, workdir in self.workdirs.items():
+            env = worker_env(base_url, worker, api_key)
+            argv = container(worker, env) if container else list(command)
+            self.procs[worker] = subprocess.Popen(argv, env=env, cwd=workdir, start_new_session=True)
 
     async def wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
@@ -108,7 +115,7 @@ class Supervisor:
                 if proc.poll() is not None and not self.store.is_gone(worker):
                     print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
                     await self.store.forget(worker)  # first: its jobs fail now, not after the clean-up
-                    await asyncio.to_thread(_reap, proc, self.workdirs[worker])
+                    await asyncio.to_thread(self._reap, worker)
             await asyncio.sleep(1)
 
     def stop(self) -> None:
@@ -119,7 +126,12 @@ class Supervisor:
         for worker, proc in self.procs.items():
             with contextlib.suppress(subprocess.TimeoutExpired):  # then killed with its group
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            _reap(proc, self.workdirs[worker])
+            self._reap(worker)
+
+    def _reap(self, worker: str) -> None:
+        _reap(self.procs[worker], self.workdirs[worker])
+        if self.container:
+            self.container.remove(worker)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -129,7 +141,9 @@ async def serve(args: argparse.Namespace) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"
-    supervisor = Supervisor(args.workers, base, args.api_key, store, (sys.executable, str(args.handler)))
+    container = ContainerLauncher(args.image, args.env, args.volume) if args.image else None
+    supervisor = Supervisor(args.workers, base, args.api_key, store, (sys.executable, str(args.handler)),
+                            container)
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -159,6 +173,12 @@ def main() -> None:
     parser.add_argument("--endpoint-id", default="local")
     parser.add_argument("--handler", default=HANDLER, type=lambda path: Path(path).resolve(),
                         help="the worker script each worker process runs (default: the vLLM worker)")
+    parser.add_argument("--image", help="run each worker as this container image's own command "
+                        "(buildah, chroot isolation) instead of --handler in this environment")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="with --image: a variable the containers get (NAME alone: its value here)")
+    parser.add_argument("--volume", action="append", default=[], metavar="HOST:CONTAINER",
+                        help="with --image: a folder mounted into each container (RunPod's volume)")
     parser.add_argument("--execution-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="stop a job in progress longer than this, as RunPod's endpoint setting "
                              "(default: 600, RunPod's default; 0: no limit)")

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
+import httpx2  # huggingface_hub's HTTP client
 import huggingface_hub
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
@@ -128,6 +129,8 @@ def _explained(where: str) -> Iterator[None]:
         raise BakeError(f"{where} is not in the local cache, and HF_HUB_OFFLINE is set") from None
     except ValueError as exc:
         raise BakeError(f"{where}: {exc}") from None
+    except httpx2.TransportError as exc:
+        raise BakeError(f"{where}: cannot reach the hub at {constants.ENDPOINT} ({exc})") from None
 
 
 def fetch(repo: str, revision: str | None, cache_dir: Path, *, weights: bool) -> Snapshot:
@@ -153,7 +156,8 @@ def bake(env: Mapping[str, str]) -> dict[str, str] | None:
     revision = _setting(env, "MODEL_REVISION")
     local_model = fetch(model, revision, cache_dir, weights=True).path
     tokenizer = _setting(env, "TOKENIZER_NAME") or model
-    tokenizer_revision = _setting(env, "TOKENIZER_REVISION") or revision
+    # Another repo's tokenizer comes from its own default branch unless TOKENIZER_REVISION names one.
+    tokenizer_revision = _setting(env, "TOKENIZER_REVISION") or (revision if tokenizer == model else None)
     other_tokenizer = None
     if (tokenizer, tokenizer_revision) != (model, revision):  # else the model's own files serve
         other_tokenizer = tokenizer, fetch(tokenizer, tokenizer_revision, cache_dir, weights=False).path

