@@ -232,6 +232,7 @@ def build(target_name: str = DEFAULT_TARGET, overrides: Mapping[str, str] = {}, 
     CalledProcessError with buildah's log in ``output`` when the build fails.
     """
     ensure_tools()
+    started = time.monotonic()  # the targets this one is built on count too
     target = bake_target(target_name, overrides)
     env = os.environ if env is None else env
     options = [f"--build-arg={k}={v}" for k, v in target.args.items()]
@@ -245,7 +246,6 @@ def build(target_name: str = DEFAULT_TARGET, overrides: Mapping[str, str] = {}, 
     options += ["--no-cache"] if no_cache else []
     tag = tag or _local_tag(target_name)
     with _secret_files(target.secrets, env) as secrets, tempfile.NamedTemporaryFile() as iid:
-        started = time.monotonic()
         result = buildah("bud", "--pull=never", "--layers", "--force-rm", "--format=docker",
                          f"--iidfile={iid.name}",
                          "-f", str(context / target.dockerfile), *options, *secrets, "-t", tag,
