@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,9 @@ from tests.image.local_hub import LocalHub
 REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 TAG = "localhost/worker-vllm-bench:baked"
 LAYERS_DB = Path("/var/lib/containers/storage/overlay-layers/layers.json")
+# What a history entry says besides its instruction: the build args a RUN saw (`|2 A=x B=y`), the
+# shell, `#(nop)` and the digests of copied files.
+HISTORY_NOISE = re.compile(r"^\|\d+ (?:\S+=\S* )*|/bin/sh -c |#\(nop\) |(?:file|multi|dir):[0-9a-f]+ ")
 
 
 def _hub(model: str) -> LocalHub:
@@ -70,7 +74,7 @@ def layer_sizes(results: Results) -> None:
     sizes = {layer["diff-digest"]: layer["diff-size"] for layer in json.loads(LAYERS_DB.read_text())}
     made = [entry.get("created_by", "") for entry in config["OCIv1"]["history"] if not entry.get("empty_layer")]
     for n, (digest, created_by) in enumerate(zip(config["OCIv1"]["rootfs"]["diff_ids"], made, strict=True)):
-        step = " ".join(created_by.replace("/bin/sh -c ", "").split())[:70]
+        step = re.sub(HISTORY_NOISE, "", " ".join(created_by.split()))[:70]
         results.figure("18 image size per layer", "-", f"{n}: {step}", "MB").values.append(sizes[digest] / 1e6)
 
 
