@@ -163,10 +163,17 @@ def ensure_debian_base() -> None:
     log(f"{DEBIAN_BASE} made with debootstrap in {time.monotonic() - started:.0f} s")
 
 
+def _wheelhouse_folder() -> Path:
+    return CACHE / f"wheels-{hashlib.sha256(LOCK.read_bytes() + UV.encode()).hexdigest()[:16]}"
+
+
+def wheelhouse_exists() -> bool:
+    return _wheelhouse_folder().is_dir()
+
+
 def wheelhouse() -> Path:
     """The CPU lock's wheels (and uv's), downloaded by the host's pip once per lock."""
-    digest = hashlib.sha256(LOCK.read_bytes() + UV.encode()).hexdigest()[:16]
-    folder = CACHE / f"wheels-{digest}"
+    folder = _wheelhouse_folder()
     if folder.is_dir():
         return folder
     started = time.monotonic()
