@@ -178,8 +178,10 @@ def wheelhouse() -> Path:
         return folder
     started = time.monotonic()
     partial = Path(tempfile.mkdtemp(dir=CACHE.mkdir(parents=True, exist_ok=True) or CACHE))
+    # pip's warnings about this machine's index folders only show when the download fails.
     subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--find-links",
-                    str(TORCH_WHEELS), "-d", str(partial), "-r", str(LOCK), UV], check=True)
+                    str(TORCH_WHEELS), "-d", str(partial), "-r", str(LOCK), UV], check=True,
+                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     partial.rename(folder)
     for old in CACHE.glob("wheels-*"):
         if old != folder:
