@@ -7,9 +7,7 @@ an empty queue. So the target follows what vLLM's scheduler reports after each e
 
 - **fewer** when the engine is out of room: requests have waited ``PATIENCE`` steps in a row while
   none was admitted, or vLLM reports a preemption (when the preempted request resumes). The target
-  falls to the requests the step ran, less those preempted to run them, but never below the
-  requests running in that step: resumed ones run because the engine has room for them again (at a
-  burst's tail they may be all that runs). Requests that wait while
+  falls to the requests the step ran, less those preempted to run them. Requests that wait while
   others are admitted are a burst's prefill spread over steps by the token budget: that holds the
   target. While the worker still holds more than the target, that surplus (already cut) is the
   cause, and the engine is not read again;
@@ -82,7 +80,7 @@ class Concurrency:
         # A resumed request is admitted too, as a started one is.
         self._stalled = self._stalled + 1 if waiting and not (started or preempted) else 0
         if (self._stalled >= PATIENCE or preempted) and held <= self.target:
-            self._out_of_room(running + max(0, finished - preempted), preempted)
+            self._out_of_room(running + finished - preempted, preempted)
         elif held + finished >= self.target:  # full (else these steps say nothing about ``target`` jobs)
             self._peak = max(self._peak, kv_usage)
             self._finished += finished

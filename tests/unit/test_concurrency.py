@@ -87,15 +87,6 @@ def test_a_preemption_reported_shrinks_to_what_ran_without_it_never_below_the_fl
     assert step(jobs, running=30, kv_usage=0.99, preempted=1) == 4  # never raised by one
 
 
-def test_requests_resumed_at_a_bursts_tail_keep_the_target_at_what_runs():
-    """At a burst's tail the preempted requests resume as the others finish, and may be all that
-    runs: the engine has room for them again, so the target falls to them, not to what the step ran
-    less them (a fresh-clone run saw 22 -> 1, running 9, 8 of them resumed)."""
-    jobs = Concurrency(1, 256, Held(12), start=22)
-    assert step(jobs, running=9, kv_usage=0.6, preempted=8) == 9
-    assert step(jobs, running=9, kv_usage=0.6, finished=3, preempted=1) == 9
-
-
 def test_while_the_worker_drains_a_surplus_the_engine_is_not_read_as_full_again():
     held = Held(54)
     jobs = Concurrency(1, 256, held, start=54)
