@@ -72,10 +72,10 @@ def build_times(plan: Plan, overrides: dict[str, str], results: Results) -> None
 
 def layer_sizes(results: Results) -> None:
     """Item 18, from the image's history and the size containers-storage records for each layer."""
-    config = json.loads(image.buildah("inspect", "--type", "image", TAG, capture_output=True).stdout)
+    config = image.image_config(TAG)
     sizes = {layer["diff-digest"]: layer["diff-size"] for layer in json.loads(LAYERS_DB.read_text())}
-    made = [entry.get("created_by", "") for entry in config["OCIv1"]["history"] if not entry.get("empty_layer")]
-    for n, (digest, created_by) in enumerate(zip(config["OCIv1"]["rootfs"]["diff_ids"], made, strict=True)):
+    made = [entry.get("created_by", "") for entry in config["history"] if not entry.get("empty_layer")]
+    for n, (digest, created_by) in enumerate(zip(config["rootfs"]["diff_ids"], made, strict=True)):
         step = re.sub(HISTORY_NOISE, "", " ".join(created_by.split()))[:70].replace("|", "/")  # a table cell
         results.figure("18 image size per layer", "-", f"{n}: {step}", "MB").values.append(sizes[digest] / 1e6)
 

@@ -20,9 +20,9 @@ RUNPOD_PREFIX = "RUNPOD_"
 ALWAYS_PASSED = ("PYTHONUNBUFFERED",)
 
 
-def _buildah(*args: str) -> str:
+def _buildah(*args: str, check: bool = True) -> str:
     env = {"STORAGE_DRIVER": "overlay", "BUILDAH_ISOLATION": "chroot", **os.environ}
-    return subprocess.run(["buildah", *args], check=True, text=True, capture_output=True,
+    return subprocess.run(["buildah", *args], check=check, text=True, capture_output=True,
                           env=env).stdout.strip()
 
 
@@ -65,4 +65,4 @@ class ContainerLauncher:
 
     def remove(self, worker: str) -> None:
         if container := self.containers.pop(worker, None):
-            subprocess.run(["buildah", "rm", container], check=False, capture_output=True)
+            _buildah("rm", container, check=False)  # in the storage it was made in

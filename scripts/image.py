@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -64,6 +65,11 @@ def ensure_tools() -> None:
 
 def image_exists(name: str) -> bool:
     return buildah("inspect", "--type", "image", name, check=False, capture_output=True).returncode == 0
+
+
+def image_config(name: str) -> dict[str, Any]:
+    """The image's OCI config: its config, rootfs layers and history."""
+    return json.loads(buildah("inspect", "--type", "image", name, capture_output=True).stdout)["OCIv1"]
 
 
 def log(message: str) -> None:

@@ -22,7 +22,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import CPU_ENV, REPO
-from image import Built, build, buildah, copy_context
+from image import Built, build, buildah, copy_context, image_config
 from settings import VOLUME_CACHE_DIR
 
 from tests.endpoint.local_endpoint import LocalEndpoint
@@ -75,11 +75,6 @@ def image_root(image: str) -> Iterator[Path]:
         yield Path(buildah("mount", container, capture_output=True).stdout.strip())
     finally:
         buildah("rm", container, capture_output=True)
-
-
-def image_config(image: str) -> dict:
-    found = buildah("inspect", "--type", "image", image, capture_output=True).stdout
-    return json.loads(found)["OCIv1"]
 
 
 def layers(image: str) -> list[str]:
