@@ -25,6 +25,7 @@ import httpx
 import image
 
 from bench.common import MODELS_ROOT, REPO, Plan, Results, ab, model_env
+from bench.servers import FAILED_START_LINES
 from dev_env import free_port
 from tests.image.local_hub import LocalHub
 
@@ -88,8 +89,8 @@ def _start(args: list[str], env: dict[str, str], log: Path) -> float:
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the endpoint exited:\n{log.read_text()[-3000:]}")
+            if proc.poll() is not None or any(text in log.read_text() for text in FAILED_START_LINES):
+                raise RuntimeError(f"the worker did not start:\n{log.read_text()[-3000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/v2/local/health").json()["workers"]["ready"]:
                     return time.monotonic() - started

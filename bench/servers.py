@@ -31,6 +31,8 @@ from dev_env import free_port
 START_TIMEOUT = 600
 POLL_SECONDS = 0.05
 # The worker's start-up line: "... INFO handler: Worker ready: ...; start-up imports=1.23s config=..."
+# A worker that could not start, in the endpoint's log: its own line, or the endpoint's on its exit.
+FAILED_START_LINES = ("Worker could not start", " exited with status ")
 READY_LINE = re.compile(r"^(\S+ \S+) INFO handler: Worker ready: .*start-up (.*)$", re.MULTILINE)
 
 
@@ -54,10 +56,14 @@ class Server:
     def _ready(self) -> bool:
         raise NotImplementedError
 
+    def _failed(self) -> bool:
+        """Whether it cannot start any more (it has exited)."""
+        return self.proc.poll() is not None
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while not self._ready():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            if self._failed() or time.monotonic() > deadline:
                 raise RuntimeError(f"{self.what} did not start; its log ends:\n{self.log()[-3000:]}")
             time.sleep(POLL_SECONDS)
 
@@ -134,6 +140,11 @@ class Endpoint(Server):
         super().__init__([sys.executable, *launcher, "--workers", str(workers),
                           *(["--handler", str(handler)] if handler else [])], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
+
+    def _failed(self) -> bool:
+        """Also when a worker could not start: the endpoint restarts it (or it answers jobs with the
+        failure, and calls for work as if ready)."""
+        return super()._failed() or any(text in self.log() for text in FAILED_START_LINES)
 
     def _ready(self) -> bool:
         """Ready when every worker has called for work; src/handler.py's start-up is measured then."""

@@ -1,9 +1,12 @@
 """A local RunPod serverless endpoint: ``python -m endpoint [--workers N] [--port 8000] [--handler PATH]``.
 
-Starts the endpoint server on 127.0.0.1 and N worker processes (``python src/handler.py``, the
-real ``runpod.serverless.start`` loop, pointed at the server with RunPod's ``RUNPOD_WEBHOOK_*``
-variables), waits until every worker asks for work, prints the URLs, and on Ctrl-C or SIGTERM
-stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
+Starts the endpoint server on 127.0.0.1, prints the URLs, starts N worker processes (``python
+src/handler.py``, the real ``runpod.serverless.start`` loop, pointed at the server with RunPod's
+``RUNPOD_WEBHOOK_*`` variables) and says so once every worker has asked for work. As RunPod does,
+it replaces a worker that exits, whatever its status and whenever: the same worker id in a fresh
+working directory, after a back-off (1 s, doubling up to 30 s; back to 1 s once a worker has stayed
+up 60 s). Jobs queue meanwhile; a worker's failure never stops the endpoint. On Ctrl-C or SIGTERM
+it stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
 The workers inherit this environment: ``MODEL_NAME`` and every other worker setting.
 With ``--image IMAGE`` each worker is that image's own command in a container instead (see
 ``container.py``), which gets only RunPod's variables and those named with ``--env``.
@@ -20,8 +23,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
@@ -31,8 +36,13 @@ from .container import ContainerLauncher
 from .jobs import JobStore
 
 HANDLER = Path(__file__).resolve().parents[1] / "src" / "handler.py"
-READY_TIMEOUT_SECONDS = 600
 STOP_GRACE_SECONDS = 30
+POLL_SECONDS = 0.2  # how often the supervisor looks for workers that exited or called in
+# A worker that exits starts again after 1 s, 2 s, 4 s, ... (each exit in a row doubles the wait) up
+# to 30 s; one that has stayed up 60 s starts the series again.
+BACKOFF_FIRST_SECONDS = 1.0
+BACKOFF_MAX_SECONDS = 30.0
+BACKOFF_RESET_SECONDS = 60.0
 
 
 def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, str]:
@@ -66,6 +76,18 @@ def snippet(base: str, api_key: str | None) -> str:
             f'print(answer.choices[0].message.content)')
 
 
+class Backoff:
+    """The waits before one worker's restarts."""
+
+    def __init__(self) -> None:
+        self.exits = 0  # in a row, each before the worker had stayed up long enough
+
+    def after_exit(self, up: float) -> float:
+        """Seconds to wait after an exit ``up`` seconds after the start."""
+        self.exits = 1 if up >= BACKOFF_RESET_SECONDS else self.exits + 1
+        return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** min(self.exits - 1, 30))
+
+
 def _reap(proc: subprocess.Popen, workdir: str) -> None:
     """Kill whatever is left in an exited worker's process group, then remove its working directory
     (again while a dying process still writes into it: once it is gone, nothing can write there)."""
@@ -80,58 +102,121 @@ def _reap(proc: subprocess.Popen, workdir: str) -> None:
         time.sleep(0.05)
 
 
+@dataclass
+class Life:
+    """One process of a worker, in a working directory and a process group of its own."""
+    proc: subprocess.Popen
+    workdir: str
+    reaped: bool = False
+
+
 class Supervisor:
-    """Runs the workers and notices when one of them exits."""
+    """Runs the workers and replaces each one that exits."""
 
     def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore,
                  command: Sequence[str] = (sys.executable, str(HANDLER)),
                  container: ContainerLauncher | None = None) -> None:
-        self.store = store
-        self.container = container
-        # Each worker gets its own working directory, as each RunPod worker has its own container:
-        # the runpod SDK keeps its in-progress job list in a file in the working directory.
-        # Each in its own process group, which the endpoint empties once the worker has exited:
-        # a worker that dies abruptly may leave the SDK's heartbeat process behind.
-        self.workdirs = {f"local-worker-{i}": tempfile.mkdtemp(prefix=f"local-worker-{i}-")
-                         for i in range(count)}
-        self.procs = {}
-        for worker, workdir in self.workdirs.items():
-            env = worker_env(base_url, worker, api_key)
-            argv = container(worker, env) if container else list(command)
-            self.procs[worker] = subprocess.Popen(argv, env=env, cwd=workdir, start_new_session=True)
+        self.base_url, self.api_key, self.store = base_url, api_key, store
+        self.command, self.container = tuple(command), container
+        self.workers = [f"local-worker-{i}" for i in range(count)]
+        self.lives: dict[str, Life] = {}  # worker → its latest process
+        # Processes start in threads (buildah takes a while); stop() takes the lock so that none
+        # starts after it has looked, and reaps each process once.
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    async def run(self) -> None:
+        """Start every worker, then restart each one whenever it exits, until cancelled (which
+        cancels a pending restart; ``stop`` then ends the processes)."""
+        async with asyncio.TaskGroup() as group:
+            for worker in self.workers:
+                group.create_task(self._keep(worker))
+
+    async def _keep(self, worker: str) -> None:
+        backoff, restarts = Backoff(), 0
+        while (ended := await self._life(worker)) is not None:
+            status, how, up = ended
+            restarts, delay = restarts + 1, backoff.after_exit(up)
+            restart_at = time.monotonic() + delay
+            print(f"endpoint: {worker} {how} after {up:.1f} s; restarting in {delay:g} s "
+                  f"(restart {restarts})", flush=True)
+            await self.store.forget(worker, status, delay)  # first: its jobs fail now, not after the clean-up
+            await asyncio.to_thread(self._reap, worker)
+            await asyncio.sleep(max(0.0, restart_at - time.monotonic()))
+
+    async def _life(self, worker: str) -> tuple[int | None, str, float] | None:
+        """Run one process of ``worker`` until it exits: its status, how it ended and for how long
+        it ran (None: the endpoint is stopping)."""
+        self.store.revive(worker)
+        started = time.monotonic()
+        try:
+            life = await asyncio.to_thread(self._launch, worker)
+        except (OSError, subprocess.SubprocessError) as exc:  # e.g. buildah could not make its container
+            return None, f"could not start ({exc})", time.monotonic() - started
+        if life is None:
+            return None
+        while life.proc.poll() is None:
+            await asyncio.sleep(POLL_SECONDS)
+        return life.proc.returncode, f"exited with status {life.proc.returncode}", time.monotonic() - started
+
+    def _launch(self, worker: str) -> Life | None:
+        """Start a process for ``worker`` (None: the endpoint is stopping)."""
+        env = worker_env(self.base_url, worker, self.api_key)
+        with self._lock:
+            if self._stopping:
+                return None
+            # Each process gets its own working directory, as each RunPod worker has its own
+            # container: the runpod SDK keeps its in-progress job list in a file in the working
+            # directory. Each in its own process group, which the endpoint empties once the worker
+            # has exited: a worker that dies abruptly may leave the SDK's heartbeat process behind.
+            workdir = tempfile.mkdtemp(prefix=f"{worker}-")
+            try:
+                argv = self.container(worker, env) if self.container else list(self.command)
+                proc = subprocess.Popen(argv, env=env, cwd=workdir, start_new_session=True)
+            except BaseException:
+                shutil.rmtree(workdir, ignore_errors=True)
+                if self.container:
+                    self.container.remove(worker)
+                raise
+            self.lives[worker] = life = Life(proc, workdir)
+        return life
 
     async def wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while not all(w in self.store.workers for w in self.procs):
-            if failed := [w for w, p in self.procs.items() if p.poll() is not None]:
-                raise RuntimeError(f"worker(s) exited during start-up: {', '.join(failed)}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("workers not ready in time")
-            await asyncio.sleep(0.5)
-
-    async def watch(self) -> None:
-        while True:
-            for worker, proc in self.procs.items():
-                if proc.poll() is not None and not self.store.is_gone(worker):
-                    print(f"endpoint: {worker} exited with status {proc.returncode}", flush=True)
-                    await self.store.forget(worker)  # first: its jobs fail now, not after the clean-up
-                    await asyncio.to_thread(self._reap, worker)
-            await asyncio.sleep(1)
+        """Until every worker has asked for work once (restarts on the way included)."""
+        waiting = set(self.workers)
+        while waiting := {w for w in waiting if not self.store.called_in(w)}:
+            await asyncio.sleep(POLL_SECONDS)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        with self._lock:
+            self._stopping = True
+            lives = dict(self.lives)
+        for life in lives.values():
+            if life.proc.poll() is None:
+                life.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for worker, proc in self.procs.items():
+        for worker, life in lives.items():
             with contextlib.suppress(subprocess.TimeoutExpired):  # then killed with its group
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                life.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             self._reap(worker)
 
     def _reap(self, worker: str) -> None:
-        _reap(self.procs[worker], self.workdirs[worker])
+        """Clean up after the worker's latest process, once (a restart under way and stop() may both
+        get here): its process group, working directory and container."""
+        with self._lock:
+            life = self.lives.get(worker)
+            if life is None or life.reaped:
+                return
+            life.reaped = True
+        _reap(life.proc, life.workdir)
         if self.container:
             self.container.remove(worker)
+
+
+async def announce_ready(supervisor: Supervisor, started: float) -> None:
+    await supervisor.wait_ready()
+    print(f"endpoint: {len(supervisor.workers)} worker(s) ready in {time.monotonic() - started:.1f} s",
+          flush=True)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -147,19 +232,20 @@ async def serve(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    started = time.monotonic()
+    print(f"endpoint: starting {args.workers} worker(s)\n"
+          f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
+          f"  OpenAI API: {base}/openai/v1\n\n{snippet(base, args.api_key)}\n", flush=True)
+    stopped = asyncio.create_task(stop.wait())
+    workers = asyncio.create_task(supervisor.run())
+    ready = asyncio.create_task(announce_ready(supervisor, time.monotonic()))
     try:
-        ready = asyncio.create_task(supervisor.wait_ready())
-        await asyncio.wait({ready, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
-        if ready.done():
-            ready.result()
-            print(f"endpoint: {args.workers} worker(s) ready in {time.monotonic() - started:.1f} s\n"
-                  f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
-                  f"  OpenAI API: {base}/openai/v1\n\n{snippet(base, args.api_key)}\n", flush=True)
-            watcher = asyncio.create_task(supervisor.watch())
-            await stop.wait()
-            watcher.cancel()
+        await asyncio.wait({stopped, workers}, return_when=asyncio.FIRST_COMPLETED)
+        if workers.done():
+            workers.result()  # run() ends only by raising: a fault of the endpoint, not of a worker
     finally:
+        for task in (stopped, workers, ready):
+            task.cancel()
+        await asyncio.wait({stopped, workers, ready})  # no restart left pending or half done
         print("endpoint: stopping workers", flush=True)
         await asyncio.to_thread(supervisor.stop)
         await runner.cleanup()

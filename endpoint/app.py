@@ -1,7 +1,8 @@
 """HTTP faces of the local endpoint (aiohttp), both under ``/v2/<endpoint_id>/``.
 
 Client face, as RunPod's serverless API: ``POST run``, ``POST runsync``, ``GET stream/<id>``,
-``GET status/<id>``, ``POST cancel/<id>``, ``GET health``, ``POST purge-queue`` and
+``GET status/<id>``, ``POST cancel/<id>``, ``GET health`` (RunPod's job and worker counts, and
+``local``: each worker's state and restarts), ``POST purge-queue`` and
 ``POST|GET openai/v1/<route>`` (a job ``{"openai_route", "openai_input"}``, the query string
 included in the route, answered as JSON, as the non-JSON answer a ``body_envelope`` item carries,
 or, for ``"stream": true``, as ``text/event-stream`` relayed chunk by chunk); any other path under

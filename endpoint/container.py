@@ -4,7 +4,8 @@ Each worker is the image's own command (its ENTRYPOINT and CMD), run by buildah 
 container of its own (no daemon: chroot isolation) on the host's network, so that it reaches the
 endpoint on 127.0.0.1. The container gets the image's environment, RunPod's variables and only the
 variables named with ``--env``; ``--volume`` mounts a host folder, as RunPod mounts a network
-volume at ``/runpod-volume``. The working container is removed when its worker has exited.
+volume at ``/runpod-volume``. The working container is removed when its worker has exited; the
+worker's restart runs in a new one.
 """
 
 from __future__ import annotations
@@ -53,10 +54,13 @@ class ContainerLauncher:
         self.passed = tuple(passed)
         self.volumes = tuple(volumes)
         self.command = image_command(image)
-        self.containers: dict[str, str] = {}
+        self.containers: dict[str, str] = {}  # worker → its current container
+        self.launches: dict[str, int] = {}
 
     def __call__(self, worker: str, env: Mapping[str, str]) -> list[str]:
-        name = f"{worker}-{os.getpid()}"
+        # A name per launch: a container the previous launch failed to remove cannot block the next.
+        self.launches[worker] = launch = self.launches.get(worker, 0) + 1
+        name = f"{worker}-{os.getpid()}-{launch}"
         self.containers[worker] = _buildah("from", "--pull=never", "--name", name, self.image)
         options = [f"--volume={volume}" for volume in self.volumes]
         options += [f"--env={k}={v}" for k, v in container_env(env, self.passed).items()]

@@ -5,6 +5,14 @@ CANCELLED from either of the first two, or to TIMED_OUT when it stays IN_PROGRES
 execution timeout (RunPod's endpoint setting). A job cancelled or timed out in progress is also put
 on its worker's stop list, and whatever that worker reports for it afterwards is ignored. Waiters
 (long polls, ``runsync``, streams) sleep on one condition that every change notifies.
+
+Workers are known by id, and a restarted worker keeps its id, as on RunPod: the supervisor tells
+the store when a process starts under an id (``revive``) and when it exits (``forget``: the jobs it
+held fail). Between the two the id is ignored; a long poll of the exited process that is still
+under way ends empty, so nothing meant for the next process is handed to the one before it.
+For ``/health`` a worker is initializing (started, not called in yet), ready or running (called in
+within the alive window; running while it holds a job), unresponsive (silent longer) or
+restarting (exited, waiting for its next process); the last two count as RunPod's unhealthy.
 """
 
 from __future__ import annotations
@@ -14,11 +22,11 @@ import enum
 import json
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FINAL", "Job", "JobStore", "Status"]
+__all__ = ["FINAL", "Job", "JobStore", "Status", "Worker"]
 
 
 class Status(enum.StrEnum):
@@ -68,14 +76,33 @@ class Job:
         return body
 
 
+@dataclass
+class Worker:
+    """One worker id, across the processes that run under it."""
+    processes: int = 0  # started under the id so far (``revive`` counts them)
+    gone: bool = False  # its process exited and the next one has not started
+    seen: float | None = None  # the current process's last call (None: not called in yet)
+    exit_status: int | None = None  # the last exited process's
+    restart_at: float | None = None  # while gone: when the next process starts (time.monotonic)
+
+    def state(self, busy: bool, now: float, alive_within: float) -> str:
+        """Its state for /health (``busy``: it holds a job in progress)."""
+        if self.gone:
+            return "restarting"
+        if self.seen is None:
+            return "initializing"
+        if now - self.seen > alive_within:
+            return "unresponsive"
+        return "running" if busy else "ready"
+
+
 class JobStore:
     def __init__(self, execution_timeout: float | None = 600.0) -> None:
         self.execution_timeout = execution_timeout  # seconds IN_PROGRESS; None: no limit
         self.jobs: dict[str, Job] = {}
         self.queue: deque[str] = deque()
         self.stops: dict[str, set[str]] = {}  # worker → jobs it must stop
-        self.workers: dict[str, float] = {}  # worker → last time it called in
-        self.gone: set[str] = set()  # workers whose process exited: never alive again
+        self.workers: dict[str, Worker] = {}
         self.counts = {status: 0 for status in FINAL}
         self._deadlines: dict[str, asyncio.Task] = {}  # job in progress → its execution timeout
         self._changed = asyncio.Condition()
@@ -103,19 +130,34 @@ class JobStore:
         await self._notify()
         return job
 
-    def _seen(self, worker: str) -> None:
-        if worker not in self.gone:
-            self.workers[worker] = time.monotonic()
+    def _seen(self, worker: str) -> Worker:
+        """The worker that called in (a worker the supervisor did not start counts from its first call)."""
+        record = self.workers.setdefault(worker, Worker())
+        if not record.gone:
+            record.seen = time.monotonic()
+        return record
 
     def is_gone(self, worker: str) -> bool:
-        return worker in self.gone
+        return worker in self.workers and self.workers[worker].gone
+
+    def called_in(self, worker: str) -> bool:
+        """Whether the worker's latest process has called in (still true once it has exited)."""
+        return worker in self.workers and self.workers[worker].seen is not None
+
+    async def _poll(self, worker: str, predicate, timeout: float) -> bool:
+        """A worker's long poll, until ``predicate()`` holds or ``timeout`` passes; False (answer
+        nothing) when its process has exited or been replaced meanwhile."""
+        record = self._seen(worker)
+        processes = record.processes
+        if record.gone:
+            return False
+        await self.wait_for(predicate, timeout)
+        return not record.gone and record.processes == processes
 
     async def take(self, worker: str, count: int, timeout: float) -> list[Job]:
         """Up to ``count`` queued jobs for ``worker``, waiting up to ``timeout`` for the first."""
-        if worker in self.gone:
+        if not await self._poll(worker, lambda: bool(self.queue), timeout):
             return []
-        self._seen(worker)
-        await self.wait_for(lambda: bool(self.queue), timeout)
         taken = []
         while self.queue and len(taken) < count:
             job = self.jobs[self.queue.popleft()]
@@ -148,9 +190,9 @@ class JobStore:
 
     def _reported(self, job_id: str, worker: str) -> Job | None:
         """The job a worker reports on, unless it is no longer that worker's to report."""
-        self._seen(worker)
+        record = self._seen(worker)
         job = self.jobs.get(job_id)
-        if job is None or job.worker != worker or job.status is not Status.IN_PROGRESS:
+        if record.gone or job is None or job.worker != worker or job.status is not Status.IN_PROGRESS:
             return None
         return job
 
@@ -186,8 +228,8 @@ class JobStore:
         return job
 
     async def stop_signals(self, worker: str, timeout: float) -> list[str]:
-        self._seen(worker)
-        await self.wait_for(lambda: bool(self.stops.get(worker)), timeout)
+        if not await self._poll(worker, lambda: bool(self.stops.get(worker)), timeout):
+            return []
         return sorted(self.stops.pop(worker, set()))
 
     async def purge(self) -> int:
@@ -196,10 +238,21 @@ class JobStore:
             await self.cancel(job_id)
         return removed
 
-    async def forget(self, worker: str) -> None:
-        """A worker is gone: jobs it held fail (it can no longer report them)."""
-        self.workers.pop(worker, None)
-        self.gone.add(worker)
+    def revive(self, worker: str) -> None:
+        """A process starts under ``worker``'s id (its first, or the next after ``forget``): the id
+        is accepted again, initializing until the new process calls in."""
+        record = self.workers.setdefault(worker, Worker())
+        record.processes += 1
+        record.gone, record.seen, record.restart_at = False, None, None
+
+    async def forget(self, worker: str, status: int | None = None, restart_in: float | None = None) -> None:
+        """A worker's process exited with ``status``, the next one due in ``restart_in`` seconds:
+        jobs it held fail (it can no longer report them), its stop list goes with it, and whatever
+        it still sends is ignored until ``revive``."""
+        record = self.workers.setdefault(worker, Worker())
+        record.gone, record.exit_status = True, status
+        record.restart_at = None if restart_in is None else time.monotonic() + restart_in
+        self.stops.pop(worker, None)
         for job in self.jobs.values():
             if job.worker == worker and job.status is Status.IN_PROGRESS:
                 job.error = json.dumps({"message": f"worker {worker} exited", "type": "WorkerLost",
@@ -211,9 +264,11 @@ class JobStore:
         self._seen(worker)
 
     def health(self, alive_within: float) -> dict[str, Any]:
+        """RunPod's /health answer, plus ``local``: each worker's state and restarts."""
         now = time.monotonic()
-        alive = {w for w, seen in self.workers.items() if now - seen <= alive_within}
-        running = {j.worker for j in self.jobs.values() if j.status is Status.IN_PROGRESS}
+        busy = {j.worker for j in self.jobs.values() if j.status is Status.IN_PROGRESS}
+        states = {w: r.state(w in busy, now, alive_within) for w, r in self.workers.items()}
+        count = Counter(states.values())
         # RunPod's answer has no field for timed-out jobs: they count as failed.
         failed = self.counts[Status.FAILED] + self.counts[Status.TIMED_OUT]
         return {
@@ -221,6 +276,16 @@ class JobStore:
                      "cancelled": self.counts[Status.CANCELLED], "inQueue": len(self.queue),
                      "inProgress": sum(j.status is Status.IN_PROGRESS for j in self.jobs.values()),
                      "retried": 0},
-            "workers": {"idle": len(alive - running), "running": len(alive & running),
-                        "ready": len(alive)},
+            "workers": {"idle": count["ready"], "running": count["running"],
+                        "ready": count["ready"] + count["running"], "initializing": count["initializing"],
+                        "unhealthy": count["restarting"] + count["unresponsive"], "throttled": 0},
+            "local": {w: self._detail(r, states[w], now) for w, r in self.workers.items()},
         }
+
+    @staticmethod
+    def _detail(record: Worker, state: str, now: float) -> dict[str, Any]:
+        restart_in = None
+        if state == "restarting" and record.restart_at is not None:
+            restart_in = round(max(0.0, record.restart_at - now), 1)
+        return {"state": state, "restarts": max(0, record.processes - 1),
+                "lastExitStatus": record.exit_status, "restartIn": restart_in}

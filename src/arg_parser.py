@@ -113,6 +113,19 @@ class Setting:
     value: Any  # as given, for the summary log and baked-model matching
 
     @property
+    def given(self) -> bool:
+        """Set by the user (env, config file) or the image (baked), not a default of the worker's."""
+        return self.source.startswith(("env ", "config file ", "baked "))
+
+    @property
+    def variables(self) -> tuple[str, ...]:
+        """The variables that set it (``env A, B``; ``env A: ...``), or its config-file or baked source."""
+        head = self.source.split(":", 1)[0]
+        if head.startswith("env "):
+            return tuple(name.strip() for name in head.removeprefix("env ").split(","))
+        return (head,) if self.given else ()
+
+    @property
     def shown(self) -> str:
         if _SECRET.search(self.dest):
             return "***"

@@ -89,7 +89,11 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
         config = config or load_config()
         loop = BackgroundLoop("vllm-engine")
         started = time.perf_counter()
-        llm = loop.run(_start(config.args, on_load))
+        try:
+            llm = loop.run(_start(config.args, on_load))
+        except BaseException:
+            loop.close()  # a failed start may be tried again: leave no loop thread behind
+            raise
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
         self._assemble(config.settings, llm, loop, config)
         if warm_up:

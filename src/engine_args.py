@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -38,19 +39,24 @@ import baked_args
 from arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
 from env_text import env_value
 from errors import ConfigError
-from legacy_env import LEGACY_ENV
+from legacy_env import LEGACY_ENV, merge_rope
 from legacy_env import translate as legacy_texts
 from model_folder import check_model_folder
 from vllm_adapter import (
-    ENGINE_CONFIG_ERRORS,
     AsyncEngineArgs,
     VllmConfig,
     create_engine_config,
     engine_args_from,
+    VLLM_VERSION,
     engine_config_message,
+    memory_estimate,
+    unsupported_architectures,
     validate_frontend_args,
     visible_gpu_count,
 )
+
+if TYPE_CHECKING:
+    from preflight import Fetched
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +70,12 @@ WORKER_DEFAULTS: Mapping[str, Any] = {
     "max_log_len": 0,
 }
 
+# Engine flags by dest; a rejected configuration is blamed on a flag by building it without that
+# flag, at most this many times (each build takes a fraction of a second).
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(AsyncEngineArgs)}
+_NOT_BLAMED = frozenset({"model", "served_model_name"})  # without a model nothing builds
+MAX_BLAME_TRIALS = 12
+
 # Set explicitly, any of these means the user chose how to spread the model over the GPUs.
 PARALLEL_DESTS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
 
@@ -75,7 +87,7 @@ class ResolvedArgs:
     namespace: argparse.Namespace
     engine_args: AsyncEngineArgs
     flags: dict[str, Setting] = field(default_factory=dict)  # by dest: each configured flag
-    baked_model: str | None = None  # repo id whose baked copy is served, if any
+    served_repo: str | None = None  # repo id whose local copy (baked or downloaded) is served, if any
 
     def summary(self) -> str:
         return ", ".join(f"{s.dest}={s.shown} ({s.source})" for s in self.flags.values())
@@ -90,24 +102,61 @@ class ResolvedArgs:
         """vLLM's complete engine configuration, built as the engine builds it, so that a
         combination vLLM rejects stops start-up as a configuration error before the model loads."""
         try:
-            return create_engine_config(copy.deepcopy(self.engine_args))
-        except ENGINE_CONFIG_ERRORS as exc:
-            raise ConfigError(f"invalid configuration:\n  {self._culprit()}: "
-                              f"{engine_config_message(exc)}") from None
+            config = create_engine_config(copy.deepcopy(self.engine_args))
+        except Exception as exc:  # noqa: BLE001 - whatever vLLM raises here, the configuration caused it
+            model = self.flags["model"]
+            if architectures := unsupported_architectures(str(self.engine_args.model)):
+                raise ConfigError(
+                    f"invalid configuration:\n  {model.source}: the model's architecture "
+                    f"{', '.join(architectures)} is not one that vLLM {VLLM_VERSION} serves (natively or "
+                    "through its Transformers backend): serve another model", variables=model.variables) from None
+            culprits = self._culprits()
+            raise ConfigError(
+                f"invalid configuration:\n  {', '.join(s.source for s in culprits) or 'the engine configuration'}"
+                f": {engine_config_message(exc)}",
+                variables=tuple(dict.fromkeys(name for s in culprits for name in s.variables))) from None
+        return self._fitted(config)
 
-    def _culprit(self) -> str:
-        """The settings to blame for a rejected engine configuration."""
-        speculative = self.flags.get("speculative_config")
-        if speculative is not None:
-            without = copy.deepcopy(self.engine_args)
-            without.speculative_config = None
+    def _fitted(self, config: VllmConfig) -> VllmConfig:
+        """The configuration, if one request of max_model_len can fit the GPUs' memory at all
+        (``memory_estimate``); a length the user did not choose is left to vLLM to fit instead."""
+        estimate, length = memory_estimate(config), config.model_config.max_model_len
+        if estimate is None or estimate.fits(length):
+            return config
+        gib = 2**30
+        needs = (f"{estimate.weights / gib:.1f} GiB of weights and {estimate.kv_per_token * length / gib:.1f} "
+                 f"GiB of KV cache for one {length}-token request exceed the {estimate.budget / gib:.1f} GiB "
+                 "the GPUs' memory and GPU_MEMORY_UTILIZATION allow")
+        if estimate.max_tokens and "max_model_len" not in self.flags:
+            log.warning("Model's full length does not fit (%s): max_model_len=-1, vLLM fits the longest "
+                        "that does (about %d tokens); set MAX_MODEL_LEN to choose", needs, estimate.max_tokens)
+            self.engine_args.max_model_len = -1
+            return create_engine_config(copy.deepcopy(self.engine_args))
+        if estimate.max_tokens:
+            raise ConfigError(f"invalid configuration:\n  {self.flags['max_model_len'].source}: {needs}; "
+                              f"about {estimate.max_tokens} tokens fit",
+                              variables=("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION"))
+        raise ConfigError(f"invalid configuration:\n  {self.flags['model'].source}: {needs}: the weights "
+                          "alone do not fit; use GPUs with more memory, more of them (TENSOR_PARALLEL_SIZE), "
+                          "or a quantized model", variables=("MODEL_NAME", "TENSOR_PARALLEL_SIZE"))
+
+    def _culprits(self) -> list[Setting]:
+        """The settings to blame for a rejected engine configuration: those given (not defaults)
+        without which vLLM accepts it, tried one at a time; else every one given."""
+        given = [s for s in self.flags.values() if s.given and s.dest in _ENGINE_FIELDS
+                 and s.dest not in _NOT_BLAMED]
+        blamed = []
+        for setting in given[:MAX_BLAME_TRIALS]:
+            trial = copy.deepcopy(self.engine_args)
+            field_ = _ENGINE_FIELDS[setting.dest]
+            setattr(trial, setting.dest, field_.default_factory() if field_.default_factory is not MISSING
+                    else field_.default)
             try:
-                create_engine_config(without)
-            except ENGINE_CONFIG_ERRORS:
-                pass
-            else:
-                return speculative.source
-        return "vLLM's engine configuration"
+                create_engine_config(trial)
+            except Exception:  # noqa: BLE001, S112 - still rejected: not this one alone
+                continue
+            blamed.append(setting)
+        return blamed or [s for s in self.flags.values() if s.given]
 
 
 def known_env_names() -> frozenset[str]:
@@ -182,10 +231,25 @@ def _alias_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -
     return out
 
 
+def _use_download(merged: dict[str, Setting], dest: str, fetched: Fetched | None) -> bool:
+    """Serve ``preflight``'s snapshot for the flag that names its repo (or for the tokenizer, when
+    only its revision differs); its revision flag then has nothing left to pick."""
+    setting = merged.get(dest)
+    if fetched is None or (setting is not None and setting.value != fetched.repo):
+        return False
+    path = str(fetched.path)
+    source = f"{setting.source if setting else 'the model'}: {fetched.repo} at commit {fetched.commit[:12]}"
+    merged[dest] = Setting(dest, (f"--{dest}", path), source, path)
+    merged.pop("revision" if dest == "model" else "tokenizer_revision", None)
+    return True
+
+
 def resolve_args(env: Mapping[str, str] | None = None, *,
                  config_file: Path | None = None,
-                 baked_args_file: Path | None = None) -> ResolvedArgs:
-    """Merge every layer and parse it with vLLM's parser; raise ConfigError naming each problem."""
+                 baked_args_file: Path | None = None,
+                 downloaded: tuple[Fetched, Fetched | None] | None = None) -> ResolvedArgs:
+    """Merge every layer and parse it with vLLM's parser; raise ConfigError naming each problem.
+    ``downloaded``: the snapshots ``preflight`` fetched, served in place of their repo ids."""
     env = os.environ if env is None else env
     config_file = config_file or Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
     baked_args_file = baked_args_file or baked_args.args_file(env)
@@ -197,14 +261,17 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
               _config_file_layer(parser, config_file, errors),
               _env_layer(parser, env, errors), _alias_layer(parser, env, errors)]
     merged = {dest: s for layer in layers for dest, s in layer.items()}
-    baked_model = baked_args.use_baked_copies(merged, baked, baked_file)
+    served_repo = baked_args.use_baked_copies(merged, baked, baked_file)
     if baked and merged.get("model") is not baked.get("model"):
         # Another model is served: the baked tokenizer, quantization, ... describe the baked one.
         merged = {dest: s for layer in layers if layer is not baked for dest, s in layer.items()}
-    if baked_model and "served_model_name" not in merged:
+    if downloaded and _use_download(merged, "model", downloaded[0]):
+        served_repo = downloaded[0].repo
+        _use_download(merged, "tokenizer", downloaded[1])
+    if served_repo and "served_model_name" not in merged:
         merged["served_model_name"] = Setting(
-            "served_model_name", ("--served-model-name", baked_model), "baked model id",
-            baked_model)
+            "served_model_name", ("--served-model-name", served_repo), "the model's repo id",
+            served_repo)
     if "lora_modules" in merged and "enable_lora" not in merged:  # adapters need LoRA on
         merged["enable_lora"] = Setting("enable_lora", ("--enable-lora",), "implied by lora_modules", True)
     _default_to_all_gpus(merged)
@@ -218,9 +285,11 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     check_model_folder(merged["model"])
     try:
         engine_args = engine_args_from(namespace)
+        if "hf_overrides" in merged:
+            engine_args.hf_overrides = merge_rope(engine_args.hf_overrides, merged["hf_overrides"].source)
     except (OSError, ValueError) as exc:  # e.g. offline with a repo id that is not in the cache
         raise ConfigError(f"invalid configuration:\n  {merged['model'].source}: {exc}") from None
-    return ResolvedArgs(namespace, engine_args, merged, baked_model)
+    return ResolvedArgs(namespace, engine_args, merged, served_repo)
 
 
 def _default_to_all_gpus(merged: dict[str, Setting]) -> None:

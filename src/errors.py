@@ -3,7 +3,8 @@
 Exception tree::
 
     WorkerError                      anything the worker raises on purpose
-    ├── ConfigError                  bad configuration; start-up stops before the model loads
+    ├── StartupError                 the worker cannot start: every job is answered with it
+    │   └── ConfigError              bad configuration, found before the model loads
     └── RequestError                 a job that cannot be served; the worker keeps serving
         └── (status 400 unless set)  e.g. a bad field in the job input
 
@@ -29,7 +30,22 @@ class WorkerError(Exception):
     """Base of the worker's own exceptions."""
 
 
-class ConfigError(WorkerError):
+class StartupError(WorkerError):
+    """The worker cannot start; the message says why and what to change.
+
+    ``variables``: the settings to change, when known. ``transient``: the same start may succeed
+    when tried again (an interrupted download, memory that was short once); ``retry`` holds the
+    engine flags to try it with, by dest (empty: the same ones)."""
+
+    def __init__(self, message: str, *, variables: tuple[str, ...] = (), transient: bool = False,
+                 retry: dict[str, object] | None = None) -> None:
+        super().__init__(message)
+        self.variables = variables
+        self.transient = transient
+        self.retry = retry or {}
+
+
+class ConfigError(StartupError):
     """Configuration that cannot work: named variable, value and what was expected."""
 
 

@@ -7,9 +7,10 @@ Accepted job inputs (``job["input"]``):
 - OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>}``
 
 Start-up (main process only; vLLM's spawned workers re-import this file as ``__mp_main__``):
-read and validate all configuration, build the engine, then hand ``handler`` to
-``runpod.serverless.start``, so jobs are taken only once the engine is ready. A configuration
-error exits with status 2 before the model loads; any other start-up failure with status 1.
+check and fetch the model, read and validate all configuration, build the engine (``startup``),
+then hand ``handler`` to ``runpod.serverless.start``, so jobs are taken only once the engine is
+ready. A start that fails answers every job with the cause for a while, then exits: status 2 when
+settings must change, 1 otherwise (``failed_start``).
 
 A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
 engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from deadlines import DeadlinePassed, Deadlines
 from error_types import is_anthropic_route
-from errors import ConfigError, ErrorPayload, RequestError, error_from_exception, error_response
+from errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
 from job_input import JobInput
 
 if TYPE_CHECKING:
@@ -203,8 +204,39 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
-def main() -> None:
+def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str]:
+    """Everything start-up does before jobs are taken (``startup``'s steps); sets the engines."""
     global vllm_engine, openai_engine
+    from compile_cache import EngineStart
+    from startup import fetch_model, start_engine as start_with_retry
+
+    downloaded = fetch_model()  # before vLLM is imported: a bad repo or token is answered in seconds
+    phase("model")
+    from settings import load_config
+    from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
+
+    config = load_config(downloaded=downloaded)
+    phase("config")
+    cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
+    phase("cache")
+    # What only serving needs is imported while vLLM's processes start (not at the top:
+    # vLLM's spawned processes re-import this file).
+    threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
+    vllm_engine, jobs = start_with_retry(config, lambda cfg: start_engine(cfg, warm_up=False))
+    phase("engine")
+    import job_loop
+    from openai_engine import OpenAIvLLMEngine
+
+    jobs.on_raise = job_loop.wake
+    cache_state = cache.end(vllm_engine.compiles)
+    warming = vllm_engine.warm_up()  # beside building the app: both wait on vLLM's processes
+    openai_engine = OpenAIvLLMEngine(vllm_engine)
+    warming.result()
+    phase("serving")
+    return vllm_engine.config, jobs, cache_state
+
+
+def main() -> None:
     _configure_logging()
     # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK
     # replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
@@ -220,43 +252,22 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    from compile_cache import EngineStart
-    from settings import load_config
-    from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
+    import failed_start
+    from settings import failure_answer_seconds
 
     phase("imports")
     try:
-        config = load_config()
-    except ConfigError as exc:
-        log.error("Worker configuration error: %s", exc)
-        sys.exit(2)
-    phase("config")
-    try:
-        cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
-        phase("cache")
-        # What only serving needs is imported while vLLM's processes start (not at the top:
-        # vLLM's spawned processes re-import this file).
-        threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
-        vllm_engine, jobs = start_engine(config, warm_up=False)
-        phase("engine")
-        import runpod
-
-        import job_loop
-        from openai_engine import OpenAIvLLMEngine
-
-        jobs.on_raise = job_loop.wake
-
-        cache_state = cache.end(vllm_engine.compiles)
-        warming = vllm_engine.warm_up()  # beside building the app: both wait on vLLM's processes
-        openai_engine = OpenAIvLLMEngine(vllm_engine)
-        warming.result()
-        phase("serving")
-    except ConfigError as exc:  # a combination vLLM rejects, found before the model loads
-        log.error("Worker configuration error: %s", exc)
-        sys.exit(2)
-    except Exception:
+        config, jobs, cache_state = _start(phase)
+    except StartupError as failure:
+        log.error("Worker could not start: %s", failure)
+        failed_start.serve(failure, failure_answer_seconds())
+    except Exception as exc:  # noqa: BLE001 - whatever it is, the callers are told
         log.exception("Worker startup failed")
-        sys.exit(1)
+        failed_start.serve(StartupError(f"{type(exc).__name__}: {exc}"), failure_answer_seconds())
+    import runpod
+
+    import job_loop
+
     log.info("Worker ready: taking %d to %d concurrent jobs, %d at first; start-up %s; compile cache %s",
              jobs.floor, jobs.cap, jobs.target,
              " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()), cache_state)
@@ -275,3 +286,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # a vLLM process spawned by this worker: note why it fails to start
+    from vllm_adapter import note_engine_failures
+
+    note_engine_failures(in_engine_process=True)

@@ -6,9 +6,11 @@ source it is reported under, so the engine-args layer parses them like any other
 - renamed: ``DISABLE_LOG_REQUESTS`` (and its misspelling ``DISABLE_LOGGING_REQUEST``) →
   ``ENABLE_LOG_REQUESTS`` negated, ``VLLM_ATTENTION_BACKEND`` → ``ATTENTION_BACKEND``; the new
   name wins when both are set;
-- folded: ``ROPE_SCALING``/``ROPE_THETA`` → ``HF_OVERRIDES`` (``rope_parameters``, which vLLM
-  merges into the model's own); the ``SPECULATIVE_*`` family → ``SPECULATIVE_CONFIG``, with
-  worker-vllm's meaning; ``LIMIT_MM_PER_PROMPT=image=2,video=1`` → vLLM's JSON;
+- folded: ``ROPE_SCALING``/``ROPE_THETA`` → ``HF_OVERRIDES`` (``rope_parameters``), applied by
+  ``MergedRope`` so that they are merged into the model's own rope parameters (vLLM replaces a
+  dict-valued override whole: ``ROPE_THETA`` alone would drop the model's ``rope_type``); the
+  ``SPECULATIVE_*`` family → ``SPECULATIVE_CONFIG``, with worker-vllm's meaning;
+  ``LIMIT_MM_PER_PROMPT=image=2,video=1`` → vLLM's JSON;
 - removed: one warning naming what to use instead, then ignored.
 """
 
@@ -23,7 +25,7 @@ from env_text import env_value, parse_bool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEGACY_ENV", "translate"]
+__all__ = ["LEGACY_ENV", "MergedRope", "merge_rope", "translate"]
 
 REMOVED_ENV: Mapping[str, str] = {
     "SWAP_SPACE": "vLLM V1 preempts by recomputation",
@@ -164,6 +166,36 @@ def _rope(env: Mapping[str, str], errors: list[str]) -> Texts:
         overrides = {**given, "rope_parameters": rope | given.get("rope_parameters", {})}
         names.append("HF_OVERRIDES")
     return {"HF_OVERRIDES": (json.dumps(overrides), "env " + ", ".join(names))}
+
+
+class MergedRope:
+    """vLLM's ``hf_overrides`` as a function of the model's config: ``rope_parameters`` merged into
+    the model's own (into each layer type's, when they are given per layer type), the other keys
+    set as given. A module-level class, so that it pickles into vLLM's engine process."""
+
+    def __init__(self, overrides: Mapping[str, Any]) -> None:
+        self.overrides = dict(overrides)
+
+    def __call__(self, config: Any) -> Any:
+        others = {key: value for key, value in self.overrides.items() if key != "rope_parameters"}
+        config.update(others)
+        rope = self.overrides.get("rope_parameters") or {}
+        own = getattr(config, "rope_parameters", None) or {}
+        if own and all(isinstance(value, dict) for value in own.values()):  # per layer type
+            config.rope_parameters = {layer: {**params, **rope} for layer, params in own.items()}
+        else:
+            config.rope_parameters = {**own, **rope}
+        return config
+
+    def __repr__(self) -> str:
+        return f"MergedRope({self.overrides!r})"
+
+
+def merge_rope(hf_overrides: Any, source: str) -> Any:
+    """HF_OVERRIDES as vLLM gets it: a ``MergedRope`` when the rope knobs were folded into it."""
+    if isinstance(hf_overrides, dict) and any(name in source for name in ROPE_ENV):
+        return MergedRope(hf_overrides)
+    return hf_overrides
 
 
 def _limit_mm(env: Mapping[str, str], errors: list[str]) -> Texts:

@@ -6,6 +6,10 @@
   typed and validated by pydantic;
 - ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``engine_args``).
 
+Two readers run before vLLM is imported (this module imports it only in ``load_config``):
+``model_request(env)``, the hub repos to check and download (``preflight``), and
+``failure_answer_seconds(env)``, how long a worker that could not start answers jobs.
+
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
 
@@ -23,16 +27,28 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from engine_args import ResolvedArgs, known_env_names, resolve_args
+import baked_args
+from env_text import env_value
 from errors import ConfigError
+from preflight import ModelRequest, RepoRequest
+
+if TYPE_CHECKING:
+    from engine_args import ResolvedArgs
+    from preflight import Fetched
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerConfig", "WorkerSettings", "load_config", "load_settings"]
+__all__ = ["WorkerConfig", "WorkerSettings", "failure_answer_seconds", "load_config", "load_settings",
+           "model_request"]
+
+
+FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
+DEFAULT_FAILURE_ANSWER_SECONDS = 120.0
 
 
 def _env(*names: str):
@@ -65,6 +81,10 @@ class WorkerSettings(BaseModel):
     job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
     # Keep vLLM's compile cache on the network volume, when one is mounted (compile_cache.py).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
+    # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
+    startup_failure_answer_seconds: float = Field(
+        DEFAULT_FAILURE_ANSWER_SECONDS, ge=0, allow_inf_nan=False,
+        validation_alias=_env(FAILURE_ANSWER_ENV))
 
     @model_validator(mode="after")
     def _floor_below_cap(self) -> WorkerSettings:
@@ -135,8 +155,12 @@ def _warn_near_misses(env: Mapping[str, str], known: frozenset[str]) -> None:
             log.warning("Unknown setting %s is ignored; did you mean %s?", name, match[0])
 
 
-def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
-    """Read and validate all configuration; raises ConfigError listing every problem."""
+def load_config(env: Mapping[str, str] | None = None,
+                downloaded: tuple[Fetched, Fetched | None] | None = None) -> WorkerConfig:
+    """Read and validate all configuration; raises ConfigError listing every problem.
+    ``downloaded``: the model (and tokenizer) ``preflight`` fetched, served from their snapshots."""
+    from engine_args import known_env_names, resolve_args  # imports vLLM
+
     env = os.environ if env is None else env
     _warn_near_misses(env, known_env_names() | WorkerSettings.env_names())
     problems: list[str] = []
@@ -146,7 +170,7 @@ def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
     except ConfigError as exc:
         problems.append(str(exc))
     try:
-        args = resolve_args(env)
+        args = resolve_args(env, downloaded=downloaded)
     except ConfigError as exc:
         problems.append(str(exc))
     if problems:
@@ -157,3 +181,72 @@ def load_config(env: Mapping[str, str] | None = None) -> WorkerConfig:
     log.info("Engine config: %s", args.summary())
     log.info("Worker settings: %s", settings.model_dump())
     return WorkerConfig(settings, args, volume_cache_dir(settings, env))
+
+
+def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
+    """STARTUP_FAILURE_ANSWER_SECONDS alone, read before (and whatever) the rest of the
+    configuration fails; its own bad value is reported with the rest and the default used."""
+    env = os.environ if env is None else env
+    try:
+        return WorkerSettings.model_validate(
+            {FAILURE_ANSWER_ENV: env_value(FAILURE_ANSWER_ENV, env)} if env_value(FAILURE_ANSWER_ENV, env)
+            else {}).startup_failure_answer_seconds
+    except ValidationError:
+        return DEFAULT_FAILURE_ANSWER_SECONDS
+
+
+def _config_file_keys(env: Mapping[str, str]) -> dict[str, str]:
+    """The config file's string values by dest (``tokenizer-revision`` → ``tokenizer_revision``);
+    a file that does not parse is {} here (``load_config`` reports it)."""
+    try:
+        config = yaml.safe_load(Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    return {str(k).replace("-", "_"): str(v) for k, v in config.items() if v not in (None, "")}
+
+
+def _first(env: Mapping[str, str], file: dict[str, str], names: tuple[str, ...],
+           key: str) -> tuple[str | None, str]:
+    """The first value set among env ``names`` then the config file's ``key``, and its name (the
+    first env name when none is set: where a user would set it)."""
+    for name in names:
+        if (value := env_value(name, env)) is not None:
+            return value, name
+    if key not in file:
+        return None, names[0]
+    path = env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml"
+    return file[key], f"{key} in {path} (VLLM_CONFIG_FILE)"
+
+
+def _is_repo_id(name: str) -> bool:
+    """A hub repo id, not a local folder or a remote URI (s3://...)."""
+    return not (name.startswith(("/", ".", "~")) or "://" in name or Path(name).is_dir())
+
+
+def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
+    """The hub repos the configuration serves, for ``preflight`` to check and fetch before vLLM is
+    imported: read from the same layers as ``load_config`` (env alias, env, config file; the
+    baked file's copy when it names the same repo). None when there is none to fetch: a local folder,
+    the baked copy, or no model configured (``load_config`` then says so)."""
+    env = os.environ if env is None else env
+    file = _config_file_keys(env)
+    baked = baked_args.read(baked_args.args_file(env), [])
+    model, model_var = _first(env, file, ("MODEL_NAME", "MODEL"), "model")
+    if model is None or not _is_repo_id(model) or model == baked.get(baked_args.BAKED_SOURCE_KEYS["model"]):
+        return None
+    revision, revision_var = _first(env, file, ("MODEL_REVISION", "REVISION"), "revision")
+    request = RepoRequest(model, revision, model_var, revision_var)
+    tokenizer, tokenizer_var = _first(env, file, ("TOKENIZER_NAME", "TOKENIZER"), "tokenizer")
+    tokenizer_revision, tokenizer_revision_var = _first(env, file, ("TOKENIZER_REVISION",),
+                                                        "tokenizer_revision")
+    if tokenizer is None or tokenizer == model:
+        if tokenizer_revision in (None, revision):
+            return ModelRequest(request)
+        tokenizer, tokenizer_var = model, model_var
+    if not _is_repo_id(tokenizer) or tokenizer == baked.get(baked_args.BAKED_SOURCE_KEYS["tokenizer"]):
+        return ModelRequest(request)
+    # Another repo's tokenizer: its own default branch unless TOKENIZER_REVISION names one.
+    return ModelRequest(request, RepoRequest(tokenizer, tokenizer_revision, tokenizer_var,
+                                             tokenizer_revision_var))

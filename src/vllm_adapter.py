@@ -9,9 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import logging
 import os
 import re
+import traceback
 from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
@@ -34,6 +36,7 @@ except ModuleNotFoundError:  # vLLM 0.32
                                                      propagate_flash_late_interaction,
                                                      validate_parsed_serve_args)
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.exceptions import VLLMClientError, VLLMNotFoundError
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
@@ -46,6 +49,7 @@ from vllm.tool_parsers import ToolParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
@@ -54,13 +58,17 @@ from vllm.v1.metrics.stats import IterationStats
 __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
-    "ENGINE_CONFIG_ERRORS", "engine_arg_dests", "engine_args_from", "engine_config_message",
-    "EngineDeadError", "error_status", "frontend_arg_dests", "import_app_modules", "is_fatal",
+    "engine_failure", "ENGINE_FAILURE_FILE_ENV", "memory_estimate", "note_engine_failures",
+    "unsupported_architectures",
+    "engine_arg_dests", "engine_args_from", "engine_config_message",
+    "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_fatal",
     "load_chat_template", "LoadObserver", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
     "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
     "SamplingParams", "start_engine", "TokensPrompt", "validate_frontend_args", "visible_gpu_count",
     "VllmConfig",
 ]
+
+VLLM_VERSION = vllm.__version__
 
 # Errors after which the engine cannot serve again: the worker must be replaced.
 FATAL_ERRORS: tuple[type[BaseException], ...] = (EngineDeadError, torch.AcceleratorError)
@@ -153,10 +161,6 @@ def validate_frontend_args(namespace: argparse.Namespace) -> list[str]:
     return problems
 
 
-# What vLLM raises for a configuration it rejects (a missing model or network error is not one).
-ENGINE_CONFIG_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)
-
-
 def visible_gpu_count() -> int:
     """GPUs this process may use (after CUDA_VISIBLE_DEVICES); 0 on a machine without CUDA/ROCm."""
     return current_platform.device_count() if current_platform.is_cuda_alike() else 0
@@ -174,6 +178,114 @@ def engine_config_message(exc: BaseException) -> str:
     if isinstance(exc, pydantic.ValidationError):
         return "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
     return str(exc) or type(exc).__name__
+
+
+def unsupported_architectures(model: str) -> list[str]:
+    """The architectures a local model folder's config.json names when vLLM's registry has none of
+    them ([] when it has one, or the folder cannot tell). vLLM may still serve such a model through
+    its Transformers backend: ask only once vLLM has rejected the configuration."""
+    try:
+        architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    supported = ModelRegistry.get_supported_archs()
+    return [] if any(arch in supported for arch in architectures) else list(architectures)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """One max-length request's needs against the accelerator memory the engine may use (bytes)."""
+
+    weights: int
+    kv_per_token: int
+    budget: int
+
+    def fits(self, tokens: int) -> bool:
+        return self.weights + self.kv_per_token * tokens <= self.budget
+
+    @property
+    def max_tokens(self) -> int:
+        return max(0, (self.budget - self.weights) // max(self.kv_per_token, 1))
+
+
+def memory_estimate(vllm_config: VllmConfig) -> MemoryEstimate | None:
+    """Weights and KV cache per token against the GPUs' memory × gpu_memory_utilization, before
+    anything loads (None off CUDA/ROCm, or without a local folder whose safetensors give the
+    weights' size). Ignores activations and CUDA graphs: a quick bound, not vLLM's profile."""
+    model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    weights = sum(f.stat().st_size for f in Path(model.model).glob("*.safetensors")) \
+        if Path(model.model).is_dir() else 0
+    if not current_platform.is_cuda_alike() or not weights or model.is_attention_free:
+        return None
+    gpus = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+    kv_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * gpus
+                    * model.get_head_size() * _kv_element_size(vllm_config))
+    budget = cache.kv_cache_memory_bytes + weights if cache.kv_cache_memory_bytes else \
+        int(current_platform.get_device_total_memory() * cache.gpu_memory_utilization * gpus)
+    return MemoryEstimate(weights, kv_per_token, budget)
+
+
+def _kv_element_size(vllm_config: VllmConfig) -> int:
+    """Bytes per KV cache element: KV_CACHE_DTYPE's, or the model's ("auto")."""
+    dtype = kv_cache_dtype_str_to_dtype(vllm_config.cache_config.cache_dtype, vllm_config.model_config)
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# vLLM's engine processes report a failed start only in their log ("EngineCore failed to start"):
+# the worker's main process sees "Engine core initialization failed. See root cause above". Each of
+# them notes the first exception it logs in this file, which the worker reads to tell the caller.
+ENGINE_FAILURE_FILE_ENV = "WORKER_ENGINE_FAILURE_FILE"
+# Where vLLM raises when the KV cache cannot hold one request of max_model_len.
+_KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_cache_memory"})
+
+
+def _note_failure(exc: BaseException) -> None:
+    """Write ``exc`` to ENGINE_FAILURE_FILE_ENV's file (read now: each start attempt has its own),
+    unless a process noted a failure there first."""
+    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    if not path:
+        return
+    frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+    note = {"type": type(exc).__name__, "message": str(exc),
+            "out_of_memory": isinstance(exc, torch.OutOfMemoryError),
+            "kv_cache_too_small": bool(frames & _KV_CACHE_CHECKS)}
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:  # noted already: the first failure is the cause
+        return
+    with os.fdopen(fd, "w") as file:
+        json.dump(note, file)
+
+
+def note_engine_failures(*, in_engine_process: bool) -> None:
+    """Note the first exception vLLM logs at ERROR in its engine processes ("EngineCore failed to
+    start", with the exception). Through the log record factory: vLLM's own logging config, which
+    each engine process applies again, drops any handler added to its loggers. Installed in the
+    worker's process before the engine starts (a forked engine process inherits it; the worker's own
+    errors are not noted), and in a spawned one at import of the worker's main module."""
+    skip_pid = None if in_engine_process else os.getpid()
+    make_record = logging.getLogRecordFactory()
+    if getattr(make_record, "notes_engine_failures", False):
+        return
+
+    def noting(*args, **kwargs) -> logging.LogRecord:
+        record = make_record(*args, **kwargs)
+        if (record.levelno >= logging.ERROR and record.exc_info and record.exc_info[1] is not None
+                and record.name.startswith("vllm") and os.getpid() != skip_pid):
+            _note_failure(record.exc_info[1])
+        return record
+
+    noting.notes_engine_failures = True
+    logging.setLogRecordFactory(noting)
+
+
+def engine_failure() -> dict | None:
+    """What an engine process noted: ``type``, ``message``, ``out_of_memory``, ``kv_cache_too_small``."""
+    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    try:
+        return json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
 
 
 # Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends

@@ -290,3 +290,25 @@ def run_openai(run_job):
         return run_job(engine, {"openai_route": route, "openai_input": body, **job_keys})
 
     return run
+
+
+# --- the local Hugging Face hub (tests/image/local_hub.py), in this process ---------------------
+
+@pytest.fixture
+def hub():
+    from tests.image.local_hub import LocalHub
+
+    with LocalHub() as hub:
+        yield hub
+
+
+@pytest.fixture
+def online(hub, tmp_path, monkeypatch):
+    """huggingface_hub in this process as if started with HF_ENDPOINT at ``hub`` and HF_HUB_OFFLINE=0
+    (tests/conftest.py sets it), its agent-registry cache in tmp_path: it asks no other server."""
+    import huggingface_hub.constants
+
+    for name, value in {"HF_HUB_OFFLINE": False, "ENDPOINT": hub.url,
+                        "HUGGINGFACE_CO_URL_TEMPLATE": hub.url + "/{repo_id}/resolve/{revision}/{filename}",
+                        "AGENT_HARNESSES_PATH": str(tmp_path / "agent_harnesses.json")}.items():
+        monkeypatch.setattr(huggingface_hub.constants, name, value)

@@ -20,7 +20,8 @@ HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logge
 
 class LocalEndpoint:
     def __init__(self, env: dict[str, str], workers: int, log_path, handler: str | None = None,
-                 ready_timeout: float = 400, args: tuple[str, ...] = ()) -> None:
+                 ready_timeout: float | None = 400, args: tuple[str, ...] = ()) -> None:
+        """Starts the endpoint and waits up to ``ready_timeout`` s for its workers (None: not at all)."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}/v2/local"
         self.log_path = log_path
@@ -32,11 +33,28 @@ class LocalEndpoint:
             stdout=log_path.open("w"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
                                  timeout=120)
-        self.ready_after = self._wait_ready(workers, ready_timeout)
+        if ready_timeout is None:
+            self.ready_after = None
+            self._wait_serving()
+        else:
+            self.ready_after = self._wait_ready(workers, ready_timeout)
+
+    def _wait_serving(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                self.http.get("/health")
+                return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        self.stop()
+        pytest.fail("endpoint did not serve:\n" + self.log()[-4000:])
 
     def _wait_ready(self, workers: int, timeout: float) -> float:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
+            if " exited with status " in self.log():  # the endpoint restarts it: fail now instead
+                break
             if "worker(s) ready" in self.log():
                 assert self.http.get("/health").json()["workers"]["ready"] == workers
                 return time.monotonic() - self.started

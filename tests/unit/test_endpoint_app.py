@@ -1,5 +1,5 @@
 """The local endpoint's HTTP layer without workers (the tests play the worker over its job
-protocol): auth, limits, unknown ids, the OpenAI relay, execution timeouts."""
+protocol): auth, limits, unknown ids, /health, the OpenAI relay, execution timeouts."""
 
 import asyncio
 import json
@@ -98,6 +98,27 @@ def test_worker_protocol_round_trip():
     assert taken == {"id": job["id"], "input": {"prompt": "x"}}
     assert stream["status"] == "IN_PROGRESS" and stream["stream"] == [{"output": "part"}]
     assert status["status"] == "COMPLETED" and status["output"] == ["part"] and empty == 204
+
+
+def test_health_has_runpods_worker_counts_and_each_workers_state():
+    """As the supervisor drives the store: one worker calling in, one starting, one exited and
+    waiting to restart, whose dead process's heartbeat is not heard."""
+    async def run():
+        store = JobStore()
+        async with TestClient(TestServer(create_app(EndpointConfig(), store))) as client:
+            for worker in ("w1", "w2", "w3"):
+                store.revive(worker)
+            await client.get("/v2/local/ping/w1?gpu=x")
+            await store.forget("w3", 1, restart_in=30)
+            await client.get("/v2/local/ping/w3?gpu=x")
+            return await (await client.get("/v2/local/health")).json()
+
+    health = asyncio.run(run())
+    assert health["workers"] == {"idle": 1, "running": 0, "ready": 1, "initializing": 1, "unhealthy": 1,
+                                 "throttled": 0}
+    assert {w: d["state"] for w, d in health["local"].items()} == {
+        "w1": "ready", "w2": "initializing", "w3": "restarting"}
+    assert health["local"]["w3"]["lastExitStatus"] == 1 and 0 < health["local"]["w3"]["restartIn"] <= 30
 
 
 @pytest.mark.parametrize(("shutdown", "status", "anthropic_type"),

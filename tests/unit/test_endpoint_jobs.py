@@ -1,5 +1,5 @@
 """The local endpoint's job store: states, single hand-out, streams, cancellation, execution
-timeouts (no HTTP)."""
+timeouts, workers lost and restarted under their id, and their states in /health (no HTTP)."""
 
 import asyncio
 
@@ -110,15 +110,68 @@ def test_a_lost_worker_fails_its_jobs_and_leaves_the_health_count():
         job = await store.submit({})
         await store.take("w", 1, timeout=0)
         before = store.health(60)["workers"]
-        await store.forget("w")
+        await store.forget("w", 2, restart_in=5)
         store.ping("w")  # a heartbeat the dead worker left behind
         await store.submit({})
         late = await store.take("w", 1, timeout=0)
-        return job, before, store.health(60)["workers"], late
+        return job, before, store.health(60), late
 
     job, before, after, late = run(scenario())
-    assert before == {"idle": 0, "running": 1, "ready": 1} and after["ready"] == 0 and late == []
+    assert before == {"idle": 0, "running": 1, "ready": 1, "initializing": 0, "unhealthy": 0, "throttled": 0}
+    assert after["workers"] == {"idle": 0, "running": 0, "ready": 0, "initializing": 0, "unhealthy": 1,
+                                "throttled": 0}
+    assert after["local"]["w"]["state"] == "restarting" and after["local"]["w"]["lastExitStatus"] == 2
+    assert 0 < after["local"]["w"]["restartIn"] <= 5 and late == []
     assert job.status is Status.FAILED and "exited" in job.error
+
+
+def test_a_revived_worker_takes_jobs_again_and_its_dead_process_is_not_heard():
+    """The same id after a restart: the new process takes and reports jobs; what the dead one still
+    sends (a report on its failed job, a long poll under way across the restart) changes nothing."""
+    async def scenario():
+        store = JobStore()
+        store.revive("w")
+        old = await store.submit({})
+        await store.take("w", 1, timeout=0)
+        stale_take = asyncio.create_task(store.take("w", 1, timeout=2))  # the dead process's long poll
+        stale_stop = asyncio.create_task(store.stop_signals("w", timeout=2))
+        await asyncio.sleep(0.05)
+        await store.forget("w", 1, restart_in=0)
+        store.revive("w")
+        new = await store.submit({})
+        taken_stale = await stale_take
+        await store.finish(old.id, "w", {"output": ["from the dead process"]})
+        taken = await store.take("w", 1, timeout=0)
+        await store.cancel(new.id)
+        return store, old, new, taken_stale, await stale_stop, taken, await store.stop_signals("w", 0)
+
+    store, old, new, taken_stale, stale_stop, taken, stops = run(scenario())
+    assert taken_stale == [] and stale_stop == [] and [j.id for j in taken] == [new.id]
+    assert old.status is Status.FAILED and old.output is None and stops == [new.id]
+    assert store.health(60)["local"]["w"] == {"state": "ready", "restarts": 1, "lastExitStatus": 1,
+                                              "restartIn": None}
+
+
+def test_health_shows_each_workers_state():
+    async def scenario():
+        store = JobStore()
+        for worker in ("starting", "idle", "busy", "silent", "exited"):
+            store.revive(worker)
+        for worker in ("idle", "busy", "silent", "exited"):
+            store.ping(worker)
+        await store.submit({})
+        await store.take("busy", 1, timeout=0)
+        store.workers["silent"].seen -= 61  # called in once, silent since
+        await store.forget("exited", -9, restart_in=30)
+        return store.health(60)
+
+    health = run(scenario())
+    assert health["workers"] == {"idle": 1, "running": 1, "ready": 2, "initializing": 1, "unhealthy": 2,
+                                 "throttled": 0}
+    states = {worker: detail["state"] for worker, detail in health["local"].items()}
+    assert states == {"starting": "initializing", "idle": "ready", "busy": "running",
+                      "silent": "unresponsive", "exited": "restarting"}
+    assert health["local"]["exited"]["lastExitStatus"] == -9 and health["local"]["idle"]["restarts"] == 0
 
 
 def test_a_job_in_progress_past_the_execution_timeout_times_out_and_is_stopped():

@@ -102,7 +102,7 @@ def test_baked_model_served_when_env_names_its_repo(files):
     args = resolved.engine_args
     assert (args.model, args.tokenizer) == (snap, "/models/tok")
     assert args.served_model_name == ["org/model"]
-    assert resolved.baked_model == "org/model"
+    assert resolved.served_repo == "org/model"
 
 
 def test_env_can_replace_the_baked_model(files):
@@ -111,7 +111,7 @@ def test_env_can_replace_the_baked_model(files):
     resolved = resolve(files, MODEL_NAME="other/model")
     args = resolved.engine_args
     assert (args.model, args.tokenizer, args.quantization) == ("other/model", None, None)
-    assert resolved.baked_model is None and args.served_model_name is None
+    assert resolved.served_repo is None and args.served_model_name is None
 
 
 def test_explicit_served_name_wins_over_baked_repo_id(files):

@@ -12,7 +12,8 @@ from conftest import REPO
 
 import engine_args
 from engine_args import known_env_names, resolve_args
-from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV
+from errors import ConfigError
+from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, MergedRope
 from settings import WorkerSettings, load_config
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
@@ -94,7 +95,8 @@ def test_disable_log_requests_names_are_mapped(name, text, enabled, caplog):
 
 def test_rope_settings_become_hf_overrides_rope_parameters(caplog):
     args = resolve(ROPE_SCALING='{"rope_type": "yarn", "factor": 4.0}', ROPE_THETA="500000")
-    assert args.engine_args.hf_overrides == {
+    assert isinstance(args.engine_args.hf_overrides, MergedRope)
+    assert args.engine_args.hf_overrides.overrides == {
         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0}}
     assert "ROPE_SCALING, ROPE_THETA are deprecated" in caplog.text
 
@@ -102,9 +104,37 @@ def test_rope_settings_become_hf_overrides_rope_parameters(caplog):
 def test_explicit_hf_overrides_win_and_keep_their_other_keys():
     args = resolve(ROPE_THETA="500000", ROPE_SCALING='{"factor": 4.0}',
                    HF_OVERRIDES='{"rope_parameters": {"factor": 8.0}, "architectures": ["X"]}')
-    assert args.engine_args.hf_overrides == {
+    assert args.engine_args.hf_overrides.overrides == {
         "rope_parameters": {"factor": 8.0, "rope_theta": 500000.0}, "architectures": ["X"]}
     assert args.flags["hf_overrides"].source == "env ROPE_SCALING, ROPE_THETA, HF_OVERRIDES"
+
+
+def test_hf_overrides_alone_reach_vllm_as_given():
+    overrides = {"rope_parameters": {"rope_theta": 1.0, "rope_type": "default"}}
+    assert resolve(HF_OVERRIDES=json.dumps(overrides)).engine_args.hf_overrides == overrides
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"ROPE_THETA": "10000"}, {"rope_theta": 10000.0, "rope_type": "default"}),
+    ({"ROPE_SCALING": '{"rope_type": "linear", "factor": 2.0}'},
+     {"rope_theta": 100000.0, "rope_type": "linear", "factor": 2.0}),
+    ({"ROPE_SCALING": '{"factor": 2.0}'}, {"rope_theta": 100000.0, "rope_type": "default", "factor": 2.0}),
+])
+def test_each_rope_knob_alone_merges_into_the_models_rope_parameters(smol_env, env, expected):
+    """SmolLM2's config has rope_parameters {rope_theta: 100000, rope_type: default}: a knob set
+    alone changes its own key and keeps the others (vLLM's dict override would replace them all,
+    and then fail with KeyError 'rope_type' while building its configuration)."""
+    config = load_config({**smol_env, **env}).args.engine_config()
+    assert config.model_config.hf_config.rope_parameters == expected
+
+
+def test_a_rejected_engine_configuration_names_the_variables_that_caused_it(smol_env):
+    bad = {"HF_OVERRIDES": '{"rope_parameters": {"rope_theta": 10000.0}}', "MAX_NUM_SEQS": "8"}
+    with pytest.raises(ConfigError) as raised:
+        load_config({**smol_env, **bad}).args.engine_config()
+    assert str(raised.value).startswith("invalid configuration:\n  env HF_OVERRIDES: ")
+    assert "rope_type" in str(raised.value)
+    assert raised.value.variables == ("HF_OVERRIDES",)
 
 
 @pytest.mark.parametrize(("env", "fragment"), [

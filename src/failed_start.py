@@ -1,0 +1,78 @@
+"""A worker that could not start answers its jobs with the cause, then exits.
+
+RunPod restarts a worker that exits, over and over while jobs wait, and the callers see only
+``IN_QUEUE``. So after a start-up failure the worker takes jobs as usual and fails each one at once
+with the cause: HTTP 503 in the route's dialect (OpenAI's, or Anthropic's on ``/v1/messages``), the
+same error item on raw jobs. It does so for STARTUP_FAILURE_ANSWER_SECONDS (default 120), which
+drains the queue so that the endpoint can scale down, then exits, so that RunPod replaces it: a new
+worker tries the start again (the cause may have been fixed meanwhile, or been transient). The exit
+status is 2 when the failure names settings to change, else 1; with 0 seconds the worker exits at
+once, as it did before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from error_types import is_anthropic_route
+from errors import ErrorPayload, StartupError, error_response
+
+log = logging.getLogger(__name__)
+
+__all__ = ["exit_status", "failure_item", "serve"]
+
+ANSWER_CONCURRENCY = 16  # jobs answered at once: each takes no time
+EXIT_BACKSTOP_SECONDS = 10.0  # after the SIGTERM that ends the window, exit even if the SDK hangs
+
+
+def exit_status(failure: StartupError) -> int:
+    """2: the configuration must change (the failure names what); 1: anything else."""
+    return 2 if failure.variables else 1
+
+
+def failure_item(failure: StartupError, job: Any) -> ErrorPayload:
+    """The error a job gets from a worker that could not start."""
+    job_input = job.get("input") if isinstance(job, dict) else None
+    route = job_input.get("openai_route") if isinstance(job_input, dict) else None
+    anthropic = isinstance(route, str) and is_anthropic_route(route)
+    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the worker could not start: {failure}",
+                          anthropic=anthropic)
+
+
+def _end_window(status: int) -> None:
+    log.error("Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit %d", status)
+    os.kill(os.getpid(), signal.SIGTERM)  # the SDK stops taking jobs and returns
+    backstop = threading.Timer(EXIT_BACKSTOP_SECONDS, os._exit, args=(status,))
+    backstop.daemon = True
+    backstop.start()
+
+
+def serve(failure: StartupError, seconds: float) -> None:
+    """Answer every job with ``failure`` for ``seconds``, then exit (at once when 0)."""
+    status = exit_status(failure)
+    if seconds <= 0:
+        sys.exit(status)
+    import runpod
+
+    import job_loop
+
+    async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        log.warning("Job %s: answered with the start-up failure", job.get("id"))
+        yield failure_item(failure, job)
+
+    log.error("Answering every job with this failure for %g s (STARTUP_FAILURE_ANSWER_SECONDS), "
+              "then exiting so that RunPod replaces the worker", seconds)
+    window = threading.Timer(seconds, _end_window, args=(status,))
+    window.daemon = True
+    window.start()
+    job_loop.install()
+    runpod.serverless.start({"handler": handler, "concurrency_modifier": lambda _: ANSWER_CONCURRENCY,
+                             "return_aggregate_stream": True})
+    sys.exit(status)

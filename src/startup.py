@@ -1,0 +1,132 @@
+"""The worker's start, step by step, each failure a ``StartupError`` naming what to change.
+
+1. ``fetch_model``: the hub checks and download of ``preflight``, before vLLM is imported;
+2. ``settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
+3. ``start_engine``: vLLM's configuration (``ConfigError``: a combination vLLM rejects, an
+   architecture it does not serve, a length that cannot fit the GPUs), then the engine.
+
+A transient failure is tried once more, with its reason logged: a download the network
+interrupted (huggingface_hub resumes it), and an engine that ran out of memory with a size the user
+did not choose (``engine_failure``: the KV cache cannot hold the model's full length → vLLM fits
+max_model_len to the memory; out of memory otherwise → a lower GPU_MEMORY_UTILIZATION).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from errors import StartupError
+
+if TYPE_CHECKING:
+    from concurrency import Concurrency
+    from engine import vLLMEngine
+    from engine_args import ResolvedArgs
+    from preflight import Fetched
+    from settings import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["engine_failure", "fetch_model", "start_engine"]
+
+RETRY_PAUSE_SECONDS = 3.0  # before a transient failure is tried again
+OOM_UTILIZATION_STEP = 0.1  # an out-of-memory start is tried again with this much less memory
+
+T = TypeVar("T")
+
+
+def _once_more(step: Callable[[], T], what: str) -> T:
+    """``step()``, tried a second time after a transient StartupError."""
+    try:
+        return step()
+    except StartupError as failure:
+        if not failure.transient:
+            raise
+        log.warning("%s failed, trying once more in %g s: %s", what, RETRY_PAUSE_SECONDS, failure)
+    time.sleep(RETRY_PAUSE_SECONDS)
+    return step()
+
+
+def fetch_model() -> tuple[Fetched, Fetched | None] | None:
+    """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured."""
+    from preflight import prepare
+    from settings import model_request
+
+    request = model_request()
+    return _once_more(lambda: prepare(request), "Model download") if request else None
+
+
+def _chose(args: ResolvedArgs, dest: str) -> bool:
+    setting = args.flags.get(dest)
+    return setting is not None and setting.given and getattr(args.namespace, dest, None) is not None
+
+
+def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) -> StartupError:
+    """A failed engine start as a StartupError; transient (with the flags to retry with) when memory
+    was short for a size the user did not choose. ``note``: what vLLM's engine process logged."""
+    cause = f"{note['type']}: {note['message']}" if note else f"{type(exc).__name__}: {exc}"
+    if note and note["kv_cache_too_small"]:
+        return StartupError(
+            f"the KV cache cannot hold one request of max_model_len ({cause}); set MAX_MODEL_LEN "
+            "lower, or give the KV cache more memory (GPU_MEMORY_UTILIZATION, KV_CACHE_MEMORY_BYTES)",
+            variables=("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION", "KV_CACHE_MEMORY_BYTES"),
+            transient=not _chose(args, "max_model_len"), retry={"max_model_len": -1})
+    if note and note["out_of_memory"]:
+        lower = round(args.engine_args.gpu_memory_utilization - OOM_UTILIZATION_STEP, 2)
+        return StartupError(
+            f"out of memory while the engine started ({cause}); set GPU_MEMORY_UTILIZATION or "
+            "MAX_MODEL_LEN lower, or use GPUs with more memory (or more of them: TENSOR_PARALLEL_SIZE)",
+            variables=("GPU_MEMORY_UTILIZATION", "MAX_MODEL_LEN", "TENSOR_PARALLEL_SIZE"),
+            transient=not _chose(args, "gpu_memory_utilization") and lower > 0,
+            retry={"gpu_memory_utilization": lower})
+    return StartupError(f"the engine failed to start: {cause}")
+
+
+def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -> WorkerConfig:
+    """``config`` with engine flags changed for a retry (shown as such in its summary)."""
+    from arg_parser import Setting
+
+    engine_args = copy.deepcopy(config.args.engine_args)
+    flags = dict(config.args.flags)
+    for dest, value in changes.items():
+        setattr(engine_args, dest, value)
+        flags[dest] = Setting(dest, (), f"retry after {reason}", value)
+    args = dataclasses.replace(config.args, engine_args=engine_args, flags=flags)
+    return dataclasses.replace(config, args=args)
+
+
+def _start_once(config: WorkerConfig, build: Callable[[WorkerConfig], T], note_dir: Path,
+                attempt: int) -> T:
+    from vllm_adapter import ENGINE_FAILURE_FILE_ENV, engine_failure as noted_failure, note_engine_failures
+
+    os.environ[ENGINE_FAILURE_FILE_ENV] = str(note_dir / f"attempt-{attempt}.json")
+    note_engine_failures(in_engine_process=False)
+    try:
+        return build(config)
+    except StartupError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to start is answered on the jobs
+        raise engine_failure(exc, noted_failure(), config.args) from exc
+
+
+def start_engine(config: WorkerConfig,
+                 build: Callable[[WorkerConfig], tuple[vLLMEngine, Concurrency]]
+                 ) -> tuple[vLLMEngine, Concurrency]:
+    """``build(config)``, tried once more with the failure's ``retry`` flags when it is transient."""
+    with tempfile.TemporaryDirectory(prefix="engine-start-") as note_dir:
+        try:
+            return _start_once(config, build, Path(note_dir), 1)
+        except StartupError as failure:
+            if not failure.transient:
+                raise
+            changes = ", ".join(f"{dest}={value}" for dest, value in failure.retry.items())
+            log.warning("Engine start failed, trying once more with %s: %s", changes, failure)
+            return _start_once(_with_flags(config, failure.retry, "running out of memory"), build,
+                               Path(note_dir), 2)
