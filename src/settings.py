@@ -13,10 +13,11 @@ Two readers run before vLLM is imported (this module imports it only in ``load_c
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
 
-Three places touch the environment on purpose, outside this layer: ``handler`` reads LOG_LEVEL
+Four places touch the environment on purpose, outside this layer: ``handler`` reads LOG_LEVEL
 (logging must work before the configuration can fail), ``download_model`` reads the Dockerfile's
-build args (at build time, without vLLM), and ``vllm_adapter._cpu_compile_cache`` sets two
-variables for the engine's process, which inherits them (keeping a user's own values).
+build args (at build time, without vLLM), ``vllm_adapter._cpu_compile_cache`` sets two
+variables for the engine's process, which inherits them (keeping a user's own values), and
+``startup`` sets the file where vLLM's processes note why they failed (ENGINE_FAILURE_FILE_ENV).
 """
 
 from __future__ import annotations

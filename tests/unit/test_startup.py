@@ -1,0 +1,101 @@
+"""The start-up failure logic, without an engine: which engine failures are tried again and with
+what, the GPU memory estimate's decisions, the error a job gets from a worker that could not start,
+and the answer window's setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import engine_env
+
+import engine_args
+import failed_start
+from errors import ConfigError, StartupError
+from settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
+from startup import engine_failure
+from vllm_adapter import MemoryEstimate
+
+KV_NOTE = {"type": "ValueError", "message": "To serve at least one request ...", "out_of_memory": False,
+           "kv_cache_too_small": True}
+OOM_NOTE = {"type": "OutOfMemoryError", "message": "CUDA out of memory", "out_of_memory": True,
+            "kv_cache_too_small": False}
+
+
+@pytest.fixture
+def tiny(models):
+    return lambda **env: load_config(engine_env(models["tiny-llama"], **env)).args
+
+
+def test_a_kv_cache_too_small_for_a_length_nobody_chose_is_tried_with_vllm_fitting_it(tiny):
+    failure = engine_failure(RuntimeError("Engine core initialization failed"), KV_NOTE, tiny(MAX_MODEL_LEN=""))
+    assert failure.transient and failure.retry == {"max_model_len": -1}
+    assert str(failure).startswith("the KV cache cannot hold one request of max_model_len (ValueError: To serve")
+    chosen = engine_failure(RuntimeError(), KV_NOTE, tiny(MAX_MODEL_LEN="2048"))
+    assert not chosen.transient and "MAX_MODEL_LEN" in chosen.variables
+
+
+def test_out_of_memory_is_tried_with_less_memory_unless_the_user_chose_it(tiny):
+    failure = engine_failure(RuntimeError(), OOM_NOTE, tiny())
+    assert failure.transient and failure.retry == {"gpu_memory_utilization": 0.85}  # the worker's 0.95
+    assert "out of memory while the engine started (OutOfMemoryError: CUDA out of memory)" in str(failure)
+    assert not engine_failure(RuntimeError(), OOM_NOTE, tiny(GPU_MEMORY_UTILIZATION="0.9")).transient
+
+
+def test_any_other_engine_failure_is_answered_with_what_the_engine_raised(tiny):
+    failure = engine_failure(RuntimeError("init failed"), {**OOM_NOTE, "out_of_memory": False,
+                                                          "type": "KeyError", "message": "'x'"}, tiny())
+    assert str(failure) == "the engine failed to start: KeyError: 'x'" and not failure.transient
+    assert str(engine_failure(RuntimeError("init failed"), None, tiny())) == \
+        "the engine failed to start: RuntimeError: init failed"
+
+
+@pytest.mark.parametrize(("env", "estimate", "expected"), [
+    ({"MAX_MODEL_LEN": ""}, MemoryEstimate(1000, 10, 10_000), -1),  # 900 tokens fit: vLLM fits it
+    ({}, MemoryEstimate(1000, 10, 10_000), "env MAX_MODEL_LEN: "),  # the user's 2048 cannot fit
+    ({"MAX_MODEL_LEN": ""}, MemoryEstimate(20_000, 10, 10_000), "the weights alone do not fit"),
+    ({}, MemoryEstimate(1000, 1, 10_000_000), 2048),  # fits: as configured
+])
+def test_the_gpu_memory_estimate_fits_a_length_nobody_chose_and_names_a_chosen_one(tiny, monkeypatch, env,
+                                                                                   estimate, expected):
+    monkeypatch.setattr(engine_args, "memory_estimate", lambda config: estimate)
+    args = tiny(**env)
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            args.engine_config()
+        return
+    args.engine_config()
+    assert args.engine_args.max_model_len == expected  # -1: vLLM fits it at its KV cache check
+
+
+def test_memory_estimate_arithmetic():
+    estimate = MemoryEstimate(weights=4_000, kv_per_token=3, budget=10_000)
+    assert estimate.fits(2000) and not estimate.fits(2001) and estimate.max_tokens == 2000
+    assert MemoryEstimate(20_000, 3, 10_000).max_tokens == 0
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    (None, {"message": "the worker could not start: MODEL_NAME: gone", "type": "ServiceUnavailableError",
+            "param": None, "code": 503}),
+    ("/v1/chat/completions", {"message": "the worker could not start: MODEL_NAME: gone",
+                              "type": "ServiceUnavailableError", "param": None, "code": 503}),
+    ("/v1/messages", {"type": "overloaded_error", "message": "the worker could not start: MODEL_NAME: gone"}),
+])
+def test_a_job_gets_the_failure_in_its_routes_dialect(route, body):
+    job = {"id": "j", "input": {"openai_route": route} if route else {"prompt": "hi"}}
+    item = failed_start.failure_item(StartupError("MODEL_NAME: gone", variables=("MODEL_NAME",)), job)
+    assert json.loads(str(item["error"])) == body
+
+
+def test_exit_status_says_whether_settings_must_change():
+    assert failed_start.exit_status(ConfigError("x")) == 1  # names no variable
+    assert failed_start.exit_status(ConfigError("x", variables=("MAX_MODEL_LEN",))) == 2
+    assert failed_start.exit_status(StartupError("engine died")) == 1
+
+
+@pytest.mark.parametrize(("value", "seconds"), [
+    (None, DEFAULT_FAILURE_ANSWER_SECONDS), ("", DEFAULT_FAILURE_ANSWER_SECONDS), ("0", 0.0),
+    ("30.5", 30.5), ("soon", DEFAULT_FAILURE_ANSWER_SECONDS), ("-1", DEFAULT_FAILURE_ANSWER_SECONDS)])
+def test_the_answer_window_is_read_alone_and_a_bad_value_falls_back(value, seconds):
+    env = {} if value is None else {"STARTUP_FAILURE_ANSWER_SECONDS": value}
+    assert failure_answer_seconds(env) == seconds
