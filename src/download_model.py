@@ -37,6 +37,7 @@ import huggingface_hub
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
+    HfHubHTTPError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -127,6 +128,11 @@ def _explained(where: str) -> Iterator[None]:
         raise BakeError(f"{where}: no such revision") from None
     except LocalEntryNotFoundError:
         raise BakeError(f"{where} is not in the local cache, and HF_HUB_OFFLINE is set") from None
+    except HfHubHTTPError as exc:
+        if exc.response is not None and exc.response.status_code == 401:  # the token itself
+            raise BakeError(f"{where}: the hub refused the token (invalid or revoked): "
+                            "build with a valid read token") from None
+        raise BakeError(f"{where}: the hub at {constants.ENDPOINT} answered: {exc}") from None
     except ValueError as exc:
         raise BakeError(f"{where}: {exc}") from None
     except httpx2.TransportError as exc:

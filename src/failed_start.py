@@ -6,7 +6,7 @@ with the cause: HTTP 503 in the route's dialect (OpenAI's, or Anthropic's on ``/
 same error item on raw jobs. It does so for STARTUP_FAILURE_ANSWER_SECONDS (default 120), which
 drains the queue so that the endpoint can scale down, then exits, so that RunPod replaces it: a new
 worker tries the start again (the cause may have been fixed meanwhile, or been transient). The exit
-status is 2 when the failure names settings to change, else 1; with 0 seconds the worker exits at
+status is 2 when settings must change, else 1; with 0 seconds the worker exits at
 once, as it did before.
 """
 
@@ -22,7 +22,7 @@ from http import HTTPStatus
 from typing import Any
 
 from error_types import is_anthropic_route
-from errors import ErrorPayload, StartupError, error_response
+from errors import ConfigError, ErrorPayload, StartupError, error_response
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +33,9 @@ EXIT_BACKSTOP_SECONDS = 10.0  # after the SIGTERM that ends the window, exit eve
 
 
 def exit_status(failure: StartupError) -> int:
-    """2: the configuration must change (the failure names what); 1: anything else."""
-    return 2 if failure.variables else 1
+    """2: the configuration must change (a configuration error, or a failure naming settings);
+    1: anything else."""
+    return 2 if isinstance(failure, ConfigError) or failure.variables else 1
 
 
 def failure_item(failure: StartupError, job: Any) -> ErrorPayload:

@@ -263,6 +263,8 @@ def main() -> None:
         failed_start.serve(failure, failure_answer_seconds())
     except Exception as exc:  # noqa: BLE001 - whatever it is, the callers are told
         log.exception("Worker startup failed")
+        if vllm_engine is not None:  # it failed after the engine started: stop vLLM's processes
+            vllm_engine.shutdown()
         failed_start.serve(StartupError(f"{type(exc).__name__}: {exc}"), failure_answer_seconds())
     import runpod
 

@@ -37,6 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # The worker's CPU settings, passed to each container as a user sets an endpoint's variables;
 # DTYPE: the dequantised SmolLM2 answers "Paris" in float32 (see conftest.SMOLLM2_DTYPE).
 COMMITS: dict[str, str] = {}  # the hub's commits by tag
+OTHER_TOKEN = "hf_not_the_token"
 CONTAINER_ENV = {k: v for k, v in CPU_ENV.items() if k != "VLLM_RPC_BASE_PATH"} | {"DTYPE": "float32"}
 
 
@@ -51,6 +52,7 @@ def hub(models) -> Iterator[LocalHub]:
         hub.add_repo(MODEL, {**model_files, "config.json": b'{"architectures": ["Moved"]}'}, token=TOKEN)
         hub.add_repo(TOKENIZER, {name: files[name] for name in TOKENIZER_FILES})
         hub.add_repo("local/tiny-llama", {p.name: p for p in models["tiny-llama"].iterdir() if p.is_file()})
+        hub.add_token(OTHER_TOKEN)  # valid, of an account without access to the gated repo
         yield hub
 
 
@@ -115,7 +117,7 @@ def test_quantization_is_recorded_for_the_worker(hub):
     assert "TOKENIZER_NAME" not in args
 
 
-@pytest.mark.parametrize("token", [None, "hf_not_the_token"], ids=["no token", "wrong token"])
+@pytest.mark.parametrize("token", [None, OTHER_TOKEN], ids=["no token", "wrong token"])
 def test_a_gated_repo_without_its_token_fails_the_build_saying_why(hub, baked, token):
     # The tag's commit by its sha: build args unlike the baked build's, whose model layer would
     # otherwise be reused (a secret is not part of a layer's cache key, with BuildKit either).

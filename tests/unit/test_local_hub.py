@@ -155,6 +155,14 @@ def test_unknown_repos_and_revisions_fail_the_build(hub, tmp_path, model, revisi
 
 # --- huggingface_hub against the hub -------------------------------------------------------------
 
+def test_a_token_the_hub_refuses_fails_the_build_saying_so(hub, tmp_path):
+    hub.add_repo("org/model", RELEASE)
+    result = bake(hub, tmp_path, REVOKED, MODEL_NAME="org/model")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "Cannot bake the model: org/model (revision main): the hub refused the token (invalid or " \
+           "revoked): build with a valid read token" in result.stderr
+
+
 def test_each_revision_serves_its_own_commit(hub, tmp_path, online):
     release = hub.add_repo("org/model", RELEASE, tags=["v1.0"])
     latest = hub.add_repo("org/model", LATEST)

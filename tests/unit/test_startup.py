@@ -88,8 +88,8 @@ def test_a_job_gets_the_failure_in_its_routes_dialect(route, body):
 
 
 def test_exit_status_says_whether_settings_must_change():
-    assert failed_start.exit_status(ConfigError("x")) == 1  # names no variable
-    assert failed_start.exit_status(ConfigError("x", variables=("MAX_MODEL_LEN",))) == 2
+    assert failed_start.exit_status(ConfigError("invalid configuration: ...")) == 2
+    assert failed_start.exit_status(StartupError("MODEL_NAME: no such repo", variables=("MODEL_NAME",))) == 2
     assert failed_start.exit_status(StartupError("engine died")) == 1
 
 
@@ -99,3 +99,31 @@ def test_exit_status_says_whether_settings_must_change():
 def test_the_answer_window_is_read_alone_and_a_bad_value_falls_back(value, seconds):
     env = {} if value is None else {"STARTUP_FAILURE_ANSWER_SECONDS": value}
     assert failure_answer_seconds(env) == seconds
+
+
+def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_not(monkeypatch, caplog):
+    import preflight
+    import startup
+
+    calls = []
+
+    def prepare(request):
+        calls.append(request)
+        if len(calls) == 1:
+            raise StartupError("download failed: cannot reach the hub", transient=True)
+        return "snapshots"
+
+    monkeypatch.setattr(startup, "RETRY_PAUSE_SECONDS", 0)
+    monkeypatch.setattr(preflight, "prepare", prepare)
+    monkeypatch.setattr("settings.model_request", lambda: "org/model")
+    assert startup.fetch_model() == "snapshots" and len(calls) == 2
+    assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub" in caplog.text
+
+    def gone(request):
+        calls.append(request)
+        raise StartupError("MODEL_NAME='org/model': no such repo", variables=("MODEL_NAME",))
+
+    monkeypatch.setattr(preflight, "prepare", gone)
+    with pytest.raises(StartupError, match="no such repo"):
+        startup.fetch_model()
+    assert len(calls) == 3

@@ -37,13 +37,16 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
      "NGRAM_PROMPT_LOOKUP_MIN: prompt_lookup_min=5 must be <= prompt_lookup_max=2"),
 ])
 def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
+    """With no answer window (STARTUP_FAILURE_ANSWER_SECONDS=0) the worker exits at once, status 2;
+    tests/endpoint/test_startup_failures.py has the window, jobs answered with the cause."""
     started = time.monotonic()
     proc = subprocess.run([sys.executable, HANDLER],
-                          env=worker_env(**engine_env(models["tiny-llama"], **env)),
+                          env=worker_env(**engine_env(models["tiny-llama"], STARTUP_FAILURE_ANSWER_SECONDS="0",
+                                                      **env)),
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output
-    assert "Worker configuration error" in output and fragment in output
+    assert "Worker could not start: invalid configuration" in output and fragment in output
     assert "Loading" not in output and "Initializing a V1 LLM engine" not in output
     assert time.monotonic() - started < 60
 
