@@ -91,14 +91,14 @@ def test_a_download_killed_half_way_resumes_on_the_next_start(hub, smol_files, t
     before = len(hub.downloads)
     endpoint = LocalEndpoint(worker_env(hub.url, volume), 1, tmp_path / "endpoint.log", ready_timeout=None)
     try:
-        # huggingface_hub writes 10 MiB at a time: past 30 MiB sent, at least 20 MiB are on disk.
+        # huggingface_hub writes up to 10 MiB at a time: past 30 MiB sent, some are on disk.
         wait_for(lambda: any(d.sent > 30 * MIB for d in sent(hub, "model.safetensors", since=before)), 120)
         os.kill(worker_pids(endpoint)["local-worker-0"], signal.SIGKILL)
         hub.bytes_per_second = None
         wait_for(lambda: "worker(s) ready" in endpoint.log(), 400)
         first, resumed = sent(hub, "model.safetensors", since=before)
         assert first.start == 0 and not first.complete
-        assert resumed.start >= 20 * MIB and resumed.start % (10 * MIB) == 0
+        assert 0 < resumed.start <= first.sent  # from what the killed worker had written
         assert resumed.start + resumed.sent == size and resumed.complete
         log = endpoint.log()
         assert "local-worker-0 exited with status -9" in log
