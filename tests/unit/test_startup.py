@@ -127,3 +127,20 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
     with pytest.raises(StartupError, match="no such repo"):
         startup.fetch_model()
     assert len(calls) == 3
+
+
+def test_the_memory_estimate_reads_vllms_model_config_on_a_gpu(models, monkeypatch):
+    """tiny-llama on a pretend 1 GiB GPU: 2 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes
+    (bfloat16) per token; its safetensors are the weights; the budget is memory x utilization, or
+    the KV cache's own size when KV_CACHE_MEMORY_BYTES gives one."""
+    import types
+
+    import vllm_adapter
+
+    gpu = types.SimpleNamespace(is_cuda_alike=lambda: True, get_device_total_memory=lambda: 2**30)
+    weights = (models["tiny-llama"] / "model.safetensors").stat().st_size
+    config = load_config(engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES="")).args.engine_config()
+    monkeypatch.setattr(vllm_adapter, "current_platform", gpu)
+    assert vllm_adapter.memory_estimate(config) == MemoryEstimate(weights, 1024, int(2**30 * 0.95))
+    config.cache_config.kv_cache_memory_bytes = 5000
+    assert vllm_adapter.memory_estimate(config).budget == weights + 5000
