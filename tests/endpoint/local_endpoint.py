@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -76,6 +77,24 @@ class LocalEndpoint:
     def stop(self) -> int:
         self.proc.terminate()
         return self.proc.wait(timeout=90)
+
+
+class HealthSampler:
+    """The endpoint's ``/health`` answer every 20 ms, in a thread, until ``stop()``."""
+
+    def __init__(self, endpoint: LocalEndpoint) -> None:
+        self.endpoint, self.samples, self._stop = endpoint, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.samples.append(self.endpoint.http.get("/health").json())
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
 
 
 def openai_fixtures():

@@ -7,33 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 from conftest import REPO, wait_for
-from local_endpoint import LocalEndpoint, worker_pids
+from local_endpoint import HealthSampler, LocalEndpoint, worker_pids
 
 STUB = str(REPO / "tests" / "stub_worker.py")
-
-
-class Sampler:
-    """The endpoint's in-progress count, sampled every 20 ms in a thread."""
-
-    def __init__(self, endpoint: LocalEndpoint) -> None:
-        self.endpoint, self.samples, self._stop = endpoint, [], threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.02):
-            jobs = self.endpoint.http.get("/health").json()["jobs"]
-            self.samples.append((jobs["inProgress"], jobs["inQueue"]))
-
-    def stop(self) -> list[tuple[int, int]]:
-        self._stop.set()
-        self._thread.join()
-        return self.samples
 
 
 class ConcurrencyFile:
@@ -80,7 +60,7 @@ def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurr
     # worker frees one slot at a time. (Jobs that end together leave it empty for the milliseconds
     # before the next job-take request, which a sample can catch.)
     ids = [submit(endpoint, 1, 0.5 + 0.1 * i)[0] for i in range(4)] + submit(endpoint, 56, 0.5)
-    sampler = Sampler(endpoint)
+    sampler = HealthSampler(endpoint)
     try:
         wait_for(lambda: in_progress(endpoint) == 4, 30)
         concurrency_file.set(10)
@@ -92,7 +72,7 @@ def test_concurrency_changes_under_load_apply_without_draining(endpoint, concurr
         lowered = len(sampler.samples) + 1
         wait_for(lambda: all(s == "COMPLETED" for s in statuses(endpoint, ids)), 120)
     finally:
-        samples = sampler.stop()
+        samples = [(health["jobs"]["inProgress"], health["jobs"]["inQueue"]) for health in sampler.stop()]
         concurrency_file.set(4)
     queued = [running for running, waiting in samples if waiting]
     # wait_for saw 10; the sampler may not have: the worker can hold 10 for a few milliseconds only,
