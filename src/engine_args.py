@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 import baked_args
+import settings
 from arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
 from env_text import env_value
 from errors import ConfigError
@@ -251,7 +252,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     """Merge every layer and parse it with vLLM's parser; raise ConfigError naming each problem.
     ``downloaded``: the snapshots ``preflight`` fetched, served in place of their repo ids."""
     env = os.environ if env is None else env
-    config_file = config_file or Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
+    config_file = config_file or settings.config_file(env)
     baked_args_file = baked_args_file or baked_args.args_file(env)
     parser = env_parser()
     errors: list[str] = []

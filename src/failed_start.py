@@ -13,8 +13,6 @@ once, as it did before.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -23,6 +21,7 @@ from typing import Any
 
 from error_types import is_anthropic_route
 from errors import ConfigError, ErrorPayload, StartupError, error_response
+from process_exit import stop_then_exit
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +48,7 @@ def failure_item(failure: StartupError, job: Any) -> ErrorPayload:
 
 def _end_window(status: int) -> None:
     log.error("Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit %d", status)
-    os.kill(os.getpid(), signal.SIGTERM)  # the SDK stops taking jobs and returns
-    backstop = threading.Timer(EXIT_BACKSTOP_SECONDS, os._exit, args=(status,))
-    backstop.daemon = True
-    backstop.start()
+    stop_then_exit(status, EXIT_BACKSTOP_SECONDS)
 
 
 def serve(failure: StartupError, seconds: float) -> None:

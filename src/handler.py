@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import multiprocessing
 import os
 import signal
 import sys
@@ -36,6 +35,7 @@ from deadlines import DeadlinePassed, Deadlines
 from error_types import is_anthropic_route
 from errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
 from job_input import JobInput
+from process_exit import stop_then_exit
 
 if TYPE_CHECKING:
     from concurrency import Concurrency
@@ -55,26 +55,12 @@ deadlines = Deadlines()
 
 
 def _exit_soon(code: int) -> None:
-    """Stop taking jobs now, report the ones in flight, then exit with ``code``.
-
-    SIGTERM makes the runpod SDK stop fetching jobs and finish (here: fail) those it holds;
-    main() then exits with ``code``. The timer is the backstop if that takes too long.
-    """
+    """Stop taking jobs now, report the ones in flight, then exit with ``code`` (main() exits with
+    it once the SDK returns; the backstop after FATAL_EXIT_DELAY if that takes too long)."""
     if _engine_dead.is_set():
         return
     _engine_dead.set()
-    os.kill(os.getpid(), signal.SIGTERM)
-    timer = threading.Timer(FATAL_EXIT_DELAY, _exit_now, args=(code,))
-    timer.daemon = True
-    timer.start()
-
-
-def _exit_now(code: int) -> None:
-    """Exit at once, taking along the child processes (the SDK's heartbeat, vLLM's), which an
-    immediate exit would otherwise leave running."""
-    for child in multiprocessing.active_children():
-        child.kill()
-    os._exit(code)
+    stop_then_exit(code, FATAL_EXIT_DELAY)
 
 
 def _deadline_error(job_id: Any, passed: DeadlinePassed, timeout: float | None,

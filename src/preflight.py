@@ -100,6 +100,13 @@ class _Plan:
     sizes: dict[str, int] = field(default_factory=dict)
     blobs: dict[str, str] = field(default_factory=dict)  # file → blob name in the cache
 
+    def blob_paths(self, folder: Path) -> Iterator[tuple[str, Path]]:
+        """Each file with its blob's path in the repo's cache ``folder`` (files the hub gave no
+        blob id are left out: nothing to find)."""
+        for name in self.files:
+            if self.blobs[name]:
+                yield name, folder / "blobs" / self.blobs[name]
+
 
 def prepare(request: ModelRequest) -> tuple[Fetched, Fetched | None]:
     """Check and download the model (and another tokenizer repo): their local snapshots."""
@@ -165,8 +172,8 @@ def _repo_folder(cache: Path, repo: str) -> Path:
 
 
 def _partials(blob: Path) -> list[Path]:
-    """A blob's half-downloaded files, largest first (huggingface_hub 2.x: ``<blob>.<8 hex>.incomplete``,
-    one per download; older versions: ``<blob>.incomplete``)."""
+    """A blob's half-downloaded files, largest first (huggingface_hub 2.x names one per download
+    ``<blob>.<8 hex>.incomplete``)."""
     found = [*blob.parent.glob(f"{blob.name}.*.incomplete")]
     return sorted(found, key=lambda path: path.stat().st_size, reverse=True)
 
@@ -174,10 +181,7 @@ def _partials(blob: Path) -> list[Path]:
 def _have(folder: Path, plan: _Plan) -> int:
     """Bytes of the plan's files already in the cache: whole blobs, and the largest partial ones."""
     total = 0
-    for name in plan.files:
-        blob = folder / "blobs" / plan.blobs[name]
-        if not plan.blobs[name]:
-            continue
+    for _, blob in plan.blob_paths(folder):
         if blob.is_file():
             total += blob.stat().st_size
         elif partials := _partials(blob):
@@ -190,11 +194,10 @@ def _resume(request: RepoRequest, plan: _Plan, cache: Path) -> None:
     under huggingface_hub's own lock for each: a partial file found while the lock is held is no
     live download's."""
     folder = _repo_folder(cache, request.repo)
-    for name in plan.files:
-        blob = folder / "blobs" / plan.blobs[name]
-        if not plan.blobs[name] or blob.exists() or not _partials(blob):
+    for name, blob in plan.blob_paths(folder):
+        if blob.exists() or not _partials(blob):
             continue
-        lock = cache / ".locks" / folder.name / f"{plan.blobs[name]}.lock"
+        lock = cache / ".locks" / folder.name / f"{blob.name}.lock"
         lock.parent.mkdir(parents=True, exist_ok=True)
         with WeakFileLock(lock):
             partials = [] if blob.exists() else _partials(blob)

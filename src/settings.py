@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerConfig", "WorkerSettings", "failure_answer_seconds", "load_config", "load_settings",
-           "model_request"]
+__all__ = ["WorkerConfig", "WorkerSettings", "config_file", "failure_answer_seconds", "load_config",
+           "load_settings", "model_request"]
 
 
 FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
@@ -196,11 +196,16 @@ def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
         return DEFAULT_FAILURE_ANSWER_SECONDS
 
 
+def config_file(env: Mapping[str, str]) -> Path:
+    """The YAML config file's path: VLLM_CONFIG_FILE, else ``/vllm_config.yaml``."""
+    return Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
+
+
 def _config_file_keys(env: Mapping[str, str]) -> dict[str, str]:
     """The config file's string values by dest (``tokenizer-revision`` → ``tokenizer_revision``);
     a file that does not parse is {} here (``load_config`` reports it)."""
     try:
-        config = yaml.safe_load(Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml").read_text())
+        config = yaml.safe_load(config_file(env).read_text())
     except (OSError, yaml.YAMLError):
         return {}
     if not isinstance(config, dict):
@@ -217,8 +222,7 @@ def _first(env: Mapping[str, str], file: dict[str, str], names: tuple[str, ...],
             return value, name
     if key not in file:
         return None, names[0]
-    path = env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml"
-    return file[key], f"{key} in {path} (VLLM_CONFIG_FILE)"
+    return file[key], f"{key} in {config_file(env)} (VLLM_CONFIG_FILE)"
 
 
 def _is_repo_id(name: str) -> bool:

@@ -213,9 +213,10 @@ def memory_estimate(vllm_config: VllmConfig) -> MemoryEstimate | None:
     anything loads (None off CUDA/ROCm, or without a local folder whose safetensors give the
     weights' size). Ignores activations and CUDA graphs: a quick bound, not vLLM's profile."""
     model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
-    weights = sum(f.stat().st_size for f in Path(model.model).glob("*.safetensors")) \
-        if Path(model.model).is_dir() else 0
-    if not current_platform.is_cuda_alike() or not weights or model.is_attention_free:
+    if not current_platform.is_cuda_alike() or model.is_attention_free:
+        return None
+    weights = sum(f.stat().st_size for f in Path(model.model).glob("*.safetensors"))  # none: not a folder
+    if not weights:
         return None
     gpus = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
     kv_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * gpus

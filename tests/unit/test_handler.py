@@ -127,12 +127,12 @@ def test_jobs_still_running_after_the_grace_period_are_aborted_with_503(monkeypa
 CHILD_LEFT_BEHIND = """
 import multiprocessing, sys, time
 sys.path.insert(0, "src")
-import handler
+import process_exit
 if __name__ == "__main__":
     child = multiprocessing.Process(target=time.sleep, args=(60,), daemon=True)
     child.start()
     print(child.pid, flush=True)
-    handler._exit_now(3)
+    process_exit.exit_now(3)
 """
 
 
