@@ -45,7 +45,11 @@ ARG QUANTIZATION=""
 ARG TOKENIZER_NAME="" TOKENIZER_REVISION=""
 # The hub to bake from: huggingface.co, or a mirror or private hub speaking its API.
 ARG HF_ENDPOINT=https://huggingface.co
-COPY src/download_model.py src/baked_args.py /src/
+# Only what the bake step imports, so that a change to other code does not bake again.
+COPY src/download_model.py /src/
+COPY src/worker/__init__.py /src/worker/
+COPY src/worker/model/__init__.py src/worker/model/baked_args.py src/worker/model/download_model.py \
+     /src/worker/model/
 RUN --mount=type=secret,id=HF_TOKEN \
     HF_TOKEN_PATH=/run/secrets/HF_TOKEN HF_HOME=/tmp/hf-home python3 /src/download_model.py \
     && rm -rf /tmp/hf-home

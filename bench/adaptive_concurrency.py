@@ -1,4 +1,4 @@
-"""Items 13-16: how many jobs a worker holds (``src/concurrency.py``).
+"""Items 13-16: how many jobs a worker holds (``src/worker/scheduling/concurrency.py``).
 
 13. vLLM's load generator (as item 6) at ``Plan.adaptive_concurrency`` concurrent requests through the
     local endpoint and a worker with its default settings (adaptive) ÷ ``vllm serve``; beside them a worker
@@ -304,10 +304,10 @@ def _measure_cost(config: str, dtype: str) -> dict[str, float]:
     per output token of this process (the front end) and of all (with the engine core)."""
     import psutil
 
-    import vllm_adapter
+    from worker import vllm_adapter
     from bench.handler_overhead import EnginePaths
     from handler import start_engine
-    from settings import load_config
+    from worker.config.settings import load_config
 
     disable_log_stats, feed, prometheus = COST_CONFIGS[config]
     if prometheus:

@@ -18,7 +18,7 @@ from bench.common import (HANDLER, PROMPTS, RAW_ENGINE, WARM_UP_TOKENS, Load, Pl
 class EnginePaths:
     def __init__(self, engine) -> None:
         import handler
-        from openai_engine import OpenAIvLLMEngine
+        from worker.routes.serving import OpenAIvLLMEngine
 
         # Start-up as the worker's main() does it: the OpenAI app too (which also freezes the heap).
         handler.vllm_engine, handler.openai_engine = engine, OpenAIvLLMEngine(engine)
@@ -63,7 +63,7 @@ class EnginePaths:
 
 def run(model: str, plan: Plan, results: Results) -> None:
     from handler import start_engine
-    from settings import load_config
+    from worker.config.settings import load_config
 
     engine, _ = start_engine(load_config(model_env(model, plan)))  # as the worker runs it
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import REPO  # (puts src/ on the path)
-from concurrency import PATIENCE
+from worker.scheduling.concurrency import PATIENCE
 
 TRACE_WORKER = REPO / "bench" / "trace_worker.py"
 HANDLER = REPO / "src" / "handler.py"

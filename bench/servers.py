@@ -103,7 +103,7 @@ class VllmServe(Server):
     what = "vllm serve"
 
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        from engine_args import resolve_args  # vLLM's parser: imported only when a bench needs it
+        from worker.config.engine_args import resolve_args  # vLLM's parser: imported only when a bench needs it
 
         super().__init__([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
                           *resolve_args(env).serve_argv(), "--host", "127.0.0.1"], env, log_path)

@@ -95,11 +95,11 @@ async def _stub_app_stream(app: StubApp) -> None:
 
 def _stub_engines(raw_openai_output: bool):
     """A vLLMEngine and an OpenAIvLLMEngine around the stubs, built without a model."""
-    from engine import vLLMEngine
-    from event_loop import BackgroundLoop
-    from openai_engine import OpenAIvLLMEngine
-    from routes import Route, RouteTable
-    from settings import load_settings
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.engine.background_loop import BackgroundLoop
+    from worker.routes.serving import OpenAIvLLMEngine
+    from worker.routes.route_table import Route, RouteTable
+    from worker.config.settings import load_settings
 
     settings = load_settings({"RAW_OPENAI_OUTPUT": str(raw_openai_output).lower()})
     tokenizer = types.SimpleNamespace(encode=lambda text, add_special_tokens: [0] * 16)

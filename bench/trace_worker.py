@@ -89,8 +89,8 @@ def install() -> None:
     import runpod
     from runpod.serverless.modules import rp_job, rp_scale
 
-    import concurrency
-    import job_loop
+    from worker.scheduling import concurrency
+    from worker.scheduling import job_loop
 
     concurrency.Concurrency.observe = _wrap_observe(concurrency.Concurrency.observe)
 

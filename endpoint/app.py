@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from body_envelope import Envelope
-from error_types import anthropic_status, anthropic_type, is_anthropic_route, openai_type
-from sse import frame
+from worker.wire.body_envelope import Envelope
+from worker.wire.dialects import anthropic_status, anthropic_type, is_anthropic_route, openai_type
+from worker.wire.sse import frame
 
 from .jobs import Job, JobStore, Status
 

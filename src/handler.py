@@ -31,16 +31,16 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deadlines import DeadlinePassed, Deadlines
-from error_types import is_anthropic_route
-from errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
-from job_input import JobInput
-from process_exit import stop_then_exit
+from worker.jobs.deadlines import DeadlinePassed, Deadlines
+from worker.wire.dialects import is_anthropic_route
+from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
+from worker.jobs.job_input import JobInput
+from worker.startup.process_exit import stop_then_exit
 
 if TYPE_CHECKING:
-    from concurrency import Concurrency
-    from engine import vLLMEngine
-    from settings import WorkerConfig, WorkerSettings
+    from worker.scheduling.concurrency import Concurrency
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.config.settings import WorkerConfig, WorkerSettings
 
 log = logging.getLogger("handler")
 
@@ -118,7 +118,7 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period,
                               anthropic)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
-        from vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
+        from worker.vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
 
         if is_fatal(exc):
             log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
@@ -163,7 +163,7 @@ SERVING_MODULES = ("runpod", "job_loop", "openai_engine")
 
 def _import_serving() -> None:
     """Imports what only serving needs; a failure is raised again where main() imports it for use."""
-    from vllm_adapter import import_app_modules
+    from worker.vllm_adapter import import_app_modules
 
     try:
         for name in SERVING_MODULES:
@@ -175,8 +175,8 @@ def _import_serving() -> None:
 
 def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEngine, Concurrency]:
     """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold)."""
-    from concurrency import Concurrency
-    from engine import vLLMEngine
+    from worker.scheduling.concurrency import Concurrency
+    from worker.engine.vllm_engine import vLLMEngine
 
     jobs = Concurrency(config.settings.min_concurrency, config.settings.max_concurrency,
                        held=lambda: deadlines.running)
@@ -193,13 +193,13 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
 def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str]:
     """Everything start-up does before jobs are taken (``startup``'s steps); sets the engines."""
     global vllm_engine, openai_engine
-    from compile_cache import EngineStart
-    from startup import fetch_model, start_engine as start_with_retry
+    from worker.engine.compile_cache import EngineStart
+    from worker.startup.steps import fetch_model, start_engine as start_with_retry
 
     downloaded = fetch_model()  # before vLLM is imported: a bad repo or token is answered in seconds
     phase("model")
-    from settings import load_config
-    from vllm_adapter import CACHE_ENTRY_DIRS, cache_root
+    from worker.config.settings import load_config
+    from worker.vllm_adapter import CACHE_ENTRY_DIRS, cache_root
 
     config = load_config(downloaded=downloaded)
     phase("config")
@@ -210,8 +210,8 @@ def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str
     threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
     vllm_engine, jobs = start_with_retry(config, lambda cfg: start_engine(cfg, warm_up=False))
     phase("engine")
-    import job_loop
-    from openai_engine import OpenAIvLLMEngine
+    from worker.scheduling import job_loop
+    from worker.routes.serving import OpenAIvLLMEngine
 
     jobs.on_raise = job_loop.wake
     cache_state = cache.end(vllm_engine.compiles)
@@ -238,8 +238,8 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    import failed_start
-    from settings import failure_answer_seconds
+    from worker.startup import failed_start
+    from worker.config.settings import failure_answer_seconds
 
     phase("imports")
     try:
@@ -254,7 +254,7 @@ def main() -> None:
         failed_start.serve(StartupError(f"{type(exc).__name__}: {exc}"), failure_answer_seconds())
     import runpod
 
-    import job_loop
+    from worker.scheduling import job_loop
 
     log.info("Worker ready: taking %d to %d concurrent jobs, %d at first; start-up %s; compile cache %s",
              jobs.floor, jobs.cap, jobs.target,
@@ -275,6 +275,6 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__mp_main__":  # a vLLM process spawned by this worker: note why it fails to start
-    from vllm_adapter import note_engine_failures
+    from worker.vllm_adapter import note_engine_failures
 
     note_engine_failures(in_engine_process=True)

@@ -1,7 +1,7 @@
 """Names worker-vllm's documentation imports from ``utils``; the code lives in its own modules."""
 
-from batching import BatchSize
-from errors import create_error_response
-from job_input import JobInput
+from worker.jobs.batching import BatchSize
+from worker.wire.errors import create_error_response
+from worker.jobs.job_input import JobInput
 
 __all__ = ["BatchSize", "JobInput", "create_error_response"]

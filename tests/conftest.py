@@ -2,7 +2,7 @@
 
 vLLM on the CPU needs a few process-wide settings, set here before vLLM is imported.
 Engines are session-scoped (an engine start costs ~20 s); each owns its own event loop
-(see src/event_loop.py), so tests drive them with plain ``asyncio.run``.
+(see src/worker/engine/background_loop.py), so tests drive them with plain ``asyncio.run``.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ LOAD_FEED = LoadFeed()
 
 
 def _build_engine(env: dict[str, str]):
-    from engine import vLLMEngine
-    from settings import load_config
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.config.settings import load_config
 
     return vLLMEngine(load_config(env), on_load=LOAD_FEED)
 
@@ -160,7 +160,7 @@ def _openai_fixture(engine_fixture: str, scope: str = "session"):
 
     @pytest.fixture(scope=scope)
     def openai(request):
-        from openai_engine import OpenAIvLLMEngine
+        from worker.routes.serving import OpenAIvLLMEngine
 
         return OpenAIvLLMEngine(request.getfixturevalue(engine_fixture))
 
@@ -199,7 +199,7 @@ def opt_in_app(engine):
     """An OpenAIvLLMEngine over ``engine`` with the opt-in routes on (see OPT_IN_FLAGS/OPT_IN_ENV)."""
     import copy
 
-    from openai_engine import OpenAIvLLMEngine
+    from worker.routes.serving import OpenAIvLLMEngine
 
     namespace = copy.copy(engine.config.args.namespace)
     for flag, value in OPT_IN_FLAGS.items():

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import runpod  # noqa: E402
 
-import job_loop  # noqa: E402
+from worker.scheduling import job_loop  # noqa: E402
 
 EVENT = "data: " + json.dumps({"id": "chatcmpl-stub", "object": "chat.completion.chunk", "created": 0,
                                "model": "stub", "choices": [{"index": 0, "delta": {"content": "hi"},

@@ -33,14 +33,14 @@ from typing import Any
 import pytest
 from conftest import engine_env
 
-import vllm_adapter as adapter
-from arg_parser import (ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
+from worker import vllm_adapter as adapter
+from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
                         unclassified_frontend_flags)
-from baked_args import BAKED_SOURCE_KEYS
-from engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
-from legacy_env import RENAMED_ENV, SPECULATIVE_ENV
-from routes import RouteTable, unclassified_routes
-from settings import load_config
+from worker.model.baked_args import BAKED_SOURCE_KEYS
+from worker.config.engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
+from worker.config.legacy_env import RENAMED_ENV, SPECULATIVE_ENV
+from worker.routes.route_table import RouteTable, unclassified_routes
+from worker.config.settings import load_config
 
 pytestmark = pytest.mark.usefixtures("hub_lookups_off")
 
@@ -291,7 +291,7 @@ def test_the_app_builds_as_the_worker_builds_it(apps, runner):
               "pooling": {"/v1/embeddings"}}[runner] | {"/v1/models", "/tokenize", "/detokenize"}
     assert wanted <= _paths(app), wanted - _paths(app)
     unclassified = unclassified_routes(app)
-    assert not unclassified, f"routes neither served nor denied in src/routes.py: {unclassified}"
+    assert not unclassified, f"routes neither served nor denied in src/worker/routes/route_table.py: {unclassified}"
     assert wanted <= set(RouteTable.from_app(app).names())
 
 
@@ -312,7 +312,7 @@ def test_every_route_of_every_task_and_switch_is_classified(apps, configs, runne
     built = [build_app(namespace, each, vllm_config.model_config) for each in (tasks, *zip(tasks))]
     assert set().union(*map(_paths, built)) > _paths(apps[runner])
     unclassified = sorted({path for app in built for path in unclassified_routes(app)})
-    assert not unclassified, f"routes neither served nor denied in src/routes.py: {unclassified}"
+    assert not unclassified, f"routes neither served nor denied in src/worker/routes/route_table.py: {unclassified}"
 
 
 def test_legacy_rope_variables_reach_the_model_config(models):

@@ -24,7 +24,7 @@ from local_endpoint import API_KEY, LocalEndpoint
 
 from bench.load_trace import (TRACE_WORKER, failures, queued_while_others_had_room, raw_job, read_all, report,
                               run_burst, trace_env)
-from concurrency import GROWTH, START
+from worker.scheduling.concurrency import GROWTH, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
 

@@ -1,4 +1,4 @@
-"""vLLM's compile cache on the network volume (src/compile_cache.py), on the real engine with
+"""vLLM's compile cache on the network volume (src/worker/engine/compile_cache.py), on the real engine with
 torch.compile on: two workers, each on a container disk of its own, start at the same moment on one
 empty volume; both serve, and the volume then holds each entry once and whole. A third worker, on a
 fresh disk, starts from what they published and answers the same."""
@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from local_endpoint import LocalEndpoint
 
-from compile_cache import TMP_PREFIX, entries
-from settings import VOLUME_CACHE_DIR
-from vllm_adapter import CACHE_ENTRY_DIRS
+from worker.engine.compile_cache import TMP_PREFIX, entries
+from worker.config.settings import VOLUME_CACHE_DIR
+from worker.vllm_adapter import CACHE_ENTRY_DIRS
 
 COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
 JOB = {"input": {"prompt": "The lighthouse keeper", "sampling_params": {"temperature": 0, "max_tokens": 8}}}

@@ -1,4 +1,4 @@
-"""The worker's job loop (src/job_loop.py) under load, through the local endpoint and the real
+"""The worker's job loop (src/worker/scheduling/job_loop.py) under load, through the local endpoint and the real
 runpod SDK, with the model-free stub worker (tests/stub_worker.py): concurrency changes while the
 queue is full, cancels, and SIGTERM. The real worker's job-stop, cancel and grace-period tests
 (test_local_endpoint, test_worker_faults) run through the same loop."""

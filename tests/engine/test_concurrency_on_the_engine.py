@@ -10,7 +10,7 @@ import contextlib
 from conftest import LOAD_FEED
 
 import handler
-from concurrency import START, Concurrency
+from worker.scheduling.concurrency import START, Concurrency
 
 
 @contextlib.contextmanager

@@ -11,9 +11,9 @@ import logging
 import pytest
 from conftest import engine_env
 
-from engine_args import resolve_args
-from errors import ConfigError
-from openai_engine import OpenAIvLLMEngine
+from worker.config.engine_args import resolve_args
+from worker.wire.errors import ConfigError
+from worker.routes.serving import OpenAIvLLMEngine
 
 CAPITAL = "What is the capital of France?"
 SECRET = "zebra-violet-7731"

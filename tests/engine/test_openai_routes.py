@@ -11,10 +11,10 @@ from conftest import cosine
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
-from batching import BatchSize
-from job_input import JobInput
-import sse
-from openai_engine import OpenAIvLLMEngine
+from worker.jobs.batching import BatchSize
+from worker.jobs.job_input import JobInput
+from worker.wire import sse
+from worker.routes.serving import OpenAIvLLMEngine
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 

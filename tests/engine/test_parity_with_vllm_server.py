@@ -9,7 +9,7 @@ import pytest
 from conftest import opt_in_env
 from vllm_server import canonical_stream, created_id, normalize, parse_sse, vllm_servers
 
-from body_envelope import Envelope
+from worker.wire.body_envelope import Envelope
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from batching import BatchSize
+from worker.jobs.batching import BatchSize
 
 CAPITAL = "What is the capital of France?"
 
@@ -163,7 +163,7 @@ def test_bad_input_gives_one_structured_error_then_serving_continues(tiny_engine
 
 
 def test_custom_chat_template_on_the_real_tokenizer(tiny_engine, run_job):
-    from tokenizer import TokenizerWrapper
+    from worker.engine.tokenizer import TokenizerWrapper
 
     wrapper = TokenizerWrapper(tiny_engine.tokenizer.tokenizer,
                                "{% for m in messages %}[{{ m['role'] }}:{{ m['content'] }}]{% endfor %}")

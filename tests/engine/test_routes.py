@@ -10,7 +10,7 @@ from conftest import cosine
 from vllm_server import created_id
 from fastapi.routing import APIRoute
 
-from routes import DENIED, REVIEWED, unclassified_routes
+from worker.routes.route_table import DENIED, REVIEWED, unclassified_routes
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = ["Bananas are yellow.", "Paris is the capital of France.", "I like trains."]

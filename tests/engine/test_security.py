@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from openai_engine import OpenAIvLLMEngine
+from worker.routes.serving import OpenAIvLLMEngine
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 REFUSED = "--trust-request-chat-template is not set"

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-import sse
-from engine_args import resolve_args
+from worker.wire import sse
+from worker.config.engine_args import resolve_args
 
 # Values that differ between any two calls (sequence numbers: see canonical_stream).
 VOLATILE_KEYS = frozenset({"id", "request_id", "created", "created_at", "item_id", "completed_at",

@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 from conftest import CPU_ENV, REPO
 from image import Built, build, buildah, copy_context, image_config
-from settings import VOLUME_CACHE_DIR
+from worker.config.settings import VOLUME_CACHE_DIR
 
 from tests.endpoint.local_endpoint import LocalEndpoint
 from tests.image.layers import find_secret

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from asgi_client import request
+from worker.routes.asgi_client import request
 
 
 def streaming_app(chunks, *, fail_after=None, seen=None):
@@ -66,7 +66,7 @@ def test_leaving_early_tells_the_app_the_client_disconnected():
 
 
 def test_sse_events_survive_chunks_split_inside_a_character():
-    from sse import EventSplitter
+    from worker.wire.sse import EventSplitter
 
     data = 'data: {"t": "é"}\n\ndata: [DONE]\n\n'.encode()
     splitter = EventSplitter()

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from batching import Batches, BatchSize, batched
+from worker.jobs.batching import Batches, BatchSize, batched
 
 
 def sizes(size: BatchSize, count: int) -> list[float]:

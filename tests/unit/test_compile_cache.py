@@ -1,4 +1,4 @@
-"""The compile cache's mirror on the network volume (src/compile_cache.py): seeding, atomic
+"""The compile cache's mirror on the network volume (src/worker/engine/compile_cache.py): seeding, atomic
 publication, racing publishers, a publisher that died mid-copy, and the cold/warm state."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import compile_cache
-from compile_cache import TMP_PREFIX, EngineStart, VolumeCache, cache_state, entries, snapshot
+from worker.engine import compile_cache
+from worker.engine.compile_cache import TMP_PREFIX, EngineStart, VolumeCache, cache_state, entries, snapshot
 
 DIRS = ("torch_compile_cache", "torch_compile_cache/torch_aot_compile", "modelinfos")
 
@@ -173,7 +173,7 @@ def test_only_a_chosen_inductor_cache_dir_is_the_users_own(value, own, monkeypat
     import getpass
     import tempfile
 
-    import vllm_adapter
+    from worker import vllm_adapter
 
     if value is None:
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -184,7 +184,7 @@ def test_only_a_chosen_inductor_cache_dir_is_the_users_own(value, own, monkeypat
 
 
 def test_what_the_worker_set_itself_is_not_the_users_own(monkeypatch):
-    import vllm_adapter
+    from worker import vllm_adapter
 
     monkeypatch.setitem(vllm_adapter._SET_HERE, "VLLM_USE_AOT_COMPILE", "0")
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
@@ -198,7 +198,7 @@ def test_torchs_precompiled_headers_are_kept_in_the_entry(tmp_path, monkeypatch)
     makes them part of the entry, re-pointed for another configuration's entry."""
     import torch._inductor.codecache
 
-    import vllm_adapter
+    from worker import vllm_adapter
 
     headers = tmp_path / "tmp" / "torchinductor_me" / "precompiled_headers"
     monkeypatch.setattr(torch._inductor.codecache, "_HEADER_DIR", str(headers))

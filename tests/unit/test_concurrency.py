@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from concurrency import KV_HEADROOM, PATIENCE, START, Concurrency
+from worker.scheduling.concurrency import KV_HEADROOM, PATIENCE, START, Concurrency
 
 
 class Held:
@@ -142,7 +142,7 @@ def test_the_cap_resolved_after_start_bounds_the_target():
 def test_each_change_is_logged_once_and_a_rise_wakes_the_job_loop(caplog):
     raised = []
     jobs = Concurrency(1, 256, Held(START), on_raise=lambda: raised.append(jobs.target))
-    with caplog.at_level(logging.INFO, logger="concurrency"):
+    with caplog.at_level(logging.INFO, logger="worker.scheduling.concurrency"):
         step(jobs, START)  # grows: 16 -> 24
         for _ in range(10):  # held stays 16 of 24: no change, nothing logged
             step(jobs, START)

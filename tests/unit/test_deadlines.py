@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from deadlines import DeadlinePassed, Deadlines
+from worker.jobs.deadlines import DeadlinePassed, Deadlines
 
 
 class Source:

@@ -15,9 +15,9 @@ import huggingface_hub.constants
 import pytest
 from hub_cache import add_cached_repo
 
-import download_model
-from download_model import BakeError, bake, fetch, select_files
-from engine_args import resolve_args
+from worker.model import download_model
+from worker.model.download_model import BakeError, bake, fetch, select_files
+from worker.config.engine_args import resolve_args
 
 SAFETENSORS_REPO = {
     "config.json": b"{}", "generation_config.json": b"{}", "tokenizer.json": b"{}",

@@ -12,10 +12,10 @@ from endpoint.app import EndpointConfig, create_app
 from endpoint.jobs import JobStore
 
 import handler
-import sse
-from body_envelope import Envelope
-from deadlines import DeadlinePassed
-from error_types import is_anthropic_route
+from worker.wire import sse
+from worker.wire.body_envelope import Envelope
+from worker.jobs.deadlines import DeadlinePassed
+from worker.wire.dialects import is_anthropic_route
 
 CHAT = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
 

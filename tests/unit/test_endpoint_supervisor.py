@@ -25,8 +25,9 @@ WORKER = """
 import os, signal, subprocess, sys, time
 from pathlib import Path
 runs = Path({runs!r})
-run = int(runs.read_text()) + 1 if runs.exists() else 1
-runs.write_text(str(run))
+with runs.open("a") as f:  # one appended line per start: two stand-ins starting at once both count
+    f.write("run\\n")
+run = len(runs.read_text().splitlines())
 open(".runpod_jobs.pkl", "w").close()
 subprocess.Popen([sys.executable, "-c",
                   "import time\\nwhile True:\\n    open('hb', 'w').close()\\n    time.sleep(0.01)"])
@@ -45,7 +46,7 @@ def worker_code(tmp_path: Path, ends: str) -> str:
 def runs(tmp_path: Path) -> int:
     """How many times the stand-in has started."""
     path = tmp_path / "runs"
-    return int(path.read_text()) if path.exists() else 0
+    return len(path.read_text().splitlines()) if path.exists() else 0
 
 
 def supervisor(count: int, code: str, container: ContainerLauncher | None = None) -> main.Supervisor:

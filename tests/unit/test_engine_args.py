@@ -7,11 +7,11 @@ import logging
 
 import pytest
 
-from arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
-from engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
-from errors import ConfigError
-from settings import load_config, load_settings
-from vllm_adapter import frontend_arg_dests
+from worker.config.arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
+from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
+from worker.wire.errors import ConfigError
+from worker.config.settings import load_config, load_settings
+from worker.vllm_adapter import frontend_arg_dests
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 

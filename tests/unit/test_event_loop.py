@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from conftest import wait_for
 
-from event_loop import BackgroundLoop
+from worker.engine.background_loop import BackgroundLoop
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 from conftest import REPO, alive, wait_for
 
 import handler
-from errors import RequestError
-from settings import WorkerSettings
-from tokenizer import NO_TEMPLATE, TokenizerWrapper
-from vllm_adapter import EngineDeadError, is_fatal
+from worker.wire.errors import RequestError
+from worker.config.settings import WorkerSettings
+from worker.engine.tokenizer import NO_TEMPLATE, TokenizerWrapper
+from worker.vllm_adapter import EngineDeadError, is_fatal
 
 
 class FailingEngine:
@@ -127,7 +127,7 @@ def test_jobs_still_running_after_the_grace_period_are_aborted_with_503(monkeypa
 CHILD_LEFT_BEHIND = """
 import multiprocessing, sys, time
 sys.path.insert(0, "src")
-import process_exit
+from worker.startup import process_exit
 if __name__ == "__main__":
     child = multiprocessing.Process(target=time.sleep, args=(60,), daemon=True)
     child.start()
@@ -153,7 +153,7 @@ def test_an_immediate_exit_takes_the_child_processes_along(tmp_path):
 ])
 def test_the_concurrency_modifier_hands_the_sdk_loop_a_new_number_only_when_idle(monkeypatch, resizes_busy,
                                                                                   held, expected):
-    from concurrency import Concurrency
+    from worker.scheduling.concurrency import Concurrency
 
     monkeypatch.setattr(handler, "_add_grace_period", lambda _seconds: None)
     monkeypatch.setattr(handler.deadlines, "running", held)

@@ -23,12 +23,12 @@ import jsonschema
 import pytest
 from conftest import REPO
 
-from arg_parser import ENV_ALIASES, ZERO_MEANS_UNSET
-from engine_args import WORKER_DEFAULTS, known_env_names
-from job_input import JobInput
-from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
-from routes import REVIEWED
-from settings import WorkerSettings, load_config
+from worker.config.arg_parser import ENV_ALIASES, ZERO_MEANS_UNSET
+from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
+from worker.jobs.job_input import JobInput
+from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
+from worker.routes.route_table import REVIEWED
+from worker.config.settings import WorkerSettings, load_config
 
 pytestmark = pytest.mark.usefixtures("hub_lookups_off")
 
@@ -156,10 +156,12 @@ def test_the_bake_step_runs_with_only_the_files_copied_before_it(tmp_path):
     """download_model.py runs before src/ is copied (so a code change does not bake again): what it
     imports of ours must be copied with it."""
     bake = DOCKERFILE.index("python3 /src/download_model.py")
-    copy = re.findall(r"^COPY (.+) /src/$", DOCKERFILE[:bake], re.MULTILINE)[-1].split()
-    (tmp_path / "src").mkdir()
-    for name in copy:
-        (tmp_path / "src" / Path(name).name).write_bytes((REPO / name).read_bytes())
+    first = DOCKERFILE.rindex("\nFROM ", 0, bake)
+    for sources, target in re.findall(r"^COPY ((?:src/\S+\s+(?:\\\n\s*)?)+)(/src/\S*)$", DOCKERFILE[first:bake],
+                                       re.MULTILINE):
+        (tmp_path / target.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        for name in sources.replace("\\", " ").split():
+            (tmp_path / target.lstrip("/") / Path(name).name).write_bytes((REPO / name).read_bytes())
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"MODEL_NAME": ""}
     result = subprocess.run([sys.executable, str(tmp_path / "src" / "download_model.py")], env=env,
                             capture_output=True, text=True, cwd=tmp_path)

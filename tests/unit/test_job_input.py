@@ -2,10 +2,10 @@
 
 import pytest
 
-from errors import RequestError
-from job_input import JobInput
-from sampling import DEFAULT_MAX_TOKENS, build_sampling_params
-from vllm_adapter import RequestOutputKind
+from worker.wire.errors import RequestError
+from worker.jobs.job_input import JobInput
+from worker.engine.sampling import DEFAULT_MAX_TOKENS, build_sampling_params
+from worker.vllm_adapter import RequestOutputKind
 
 
 def parse(payload, job_id="job-1"):

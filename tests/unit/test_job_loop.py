@@ -1,4 +1,4 @@
-"""JobLoop (src/job_loop.py): pinned to the runpod SDK it specialises, and its wake-up logic.
+"""JobLoop (src/worker/scheduling/job_loop.py): pinned to the runpod SDK it specialises, and its wake-up logic.
 
 The logic tests run the real JobLoop with the SDK's own test hooks (``jobs_fetcher`` and
 ``jobs_handler`` in the config, honoured when no RunPod job URL is set) standing for RunPod.
@@ -21,7 +21,7 @@ from runpod.serverless import worker
 from runpod.serverless.modules import rp_job, rp_scale
 from runpod.serverless.modules.worker_state import JobsProgress
 
-import job_loop
+from worker.scheduling import job_loop
 
 # SHA-256 of the source of each SDK function JobLoop overrides or relies on, as read for
 # runpod 1.10.0. A change means JobLoop must be read against the new code again.
@@ -55,13 +55,13 @@ def _digest(name: str) -> str:
 def test_the_installed_sdk_is_the_one_job_loop_was_written_for():
     assert version("runpod") == job_loop.SDK_VERSION, (
         f"runpod {version('runpod')} is installed, JobLoop was written for {job_loop.SDK_VERSION}: "
-        "read src/job_loop.py against the new SDK's rp_scale.JobScaler, then update SDK_VERSION")
+        "read src/worker/scheduling/job_loop.py against the new SDK's rp_scale.JobScaler, then update SDK_VERSION")
 
 
 @pytest.mark.parametrize("name", sorted(SDK_SOURCES))
 def test_the_sdk_code_job_loop_overrides_is_unchanged(name):
     assert _digest(name) == SDK_SOURCES[name], (
-        f"runpod's {name} changed: read src/job_loop.py against it, then update SDK_SOURCES")
+        f"runpod's {name} changed: read src/worker/scheduling/job_loop.py against it, then update SDK_SOURCES")
 
 
 def test_install_points_the_sdk_at_job_loop_only_when_enabled_and_pinned(monkeypatch, caplog):

@@ -10,11 +10,11 @@ import hcl2
 import pytest
 from conftest import REPO
 
-import engine_args
-from engine_args import known_env_names, resolve_args
-from errors import ConfigError
-from legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, MergedRope
-from settings import WorkerSettings, load_config
+from worker.config import engine_args
+from worker.config.engine_args import known_env_names, resolve_args
+from worker.wire.errors import ConfigError
+from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, MergedRope
+from worker.config.settings import WorkerSettings, load_config
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 

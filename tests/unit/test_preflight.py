@@ -10,10 +10,10 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-import preflight
-from errors import StartupError
-from preflight import ModelRequest, RepoRequest, prepare
-from settings import model_request
+from worker.model import preflight
+from worker.wire.errors import StartupError
+from worker.model.preflight import ModelRequest, RepoRequest, prepare
+from worker.config.settings import model_request
 from tests.unit.test_local_hub import LATEST, OTHER, RELEASE, REVOKED, TOKEN, TOKENIZER
 
 MODEL = RepoRequest("org/model", None, "MODEL_NAME", "MODEL_REVISION")

@@ -9,9 +9,9 @@ import email.policy
 import pytest
 from fastapi import FastAPI
 
-from errors import RequestError
-from forms import form_body
-from routes import Route, RouteTable
+from worker.wire.errors import RequestError
+from worker.routes.forms import form_body
+from worker.routes.route_table import Route, RouteTable
 
 TABLE = RouteTable([
     Route("/v1/chat/completions", frozenset({"POST"})),

@@ -9,12 +9,12 @@ import json
 import pytest
 from conftest import engine_env
 
-import engine_args
-import failed_start
-from errors import ConfigError, StartupError
-from settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
-from startup import engine_failure
-from vllm_adapter import MemoryEstimate
+from worker.config import engine_args
+from worker.startup import failed_start
+from worker.wire.errors import ConfigError, StartupError
+from worker.config.settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
+from worker.startup.steps import engine_failure
+from worker.vllm_adapter import MemoryEstimate
 
 KV_NOTE = {"type": "ValueError", "message": "To serve at least one request ...", "out_of_memory": False,
            "kv_cache_too_small": True}
@@ -102,8 +102,8 @@ def test_the_answer_window_is_read_alone_and_a_bad_value_falls_back(value, secon
 
 
 def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_not(monkeypatch, caplog):
-    import preflight
-    import startup
+    from worker.model import preflight
+    from worker.startup import steps
 
     calls = []
 
@@ -113,10 +113,10 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
             raise StartupError("download failed: cannot reach the hub", transient=True)
         return "snapshots"
 
-    monkeypatch.setattr(startup, "RETRY_PAUSE_SECONDS", 0)
+    monkeypatch.setattr(steps, "RETRY_PAUSE_SECONDS", 0)
     monkeypatch.setattr(preflight, "prepare", prepare)
-    monkeypatch.setattr("settings.model_request", lambda: "org/model")
-    assert startup.fetch_model() == "snapshots" and len(calls) == 2
+    monkeypatch.setattr("worker.config.settings.model_request", lambda: "org/model")
+    assert steps.fetch_model() == "snapshots" and len(calls) == 2
     assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub" in caplog.text
 
     def gone(request):
@@ -125,7 +125,7 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
 
     monkeypatch.setattr(preflight, "prepare", gone)
     with pytest.raises(StartupError, match="no such repo"):
-        startup.fetch_model()
+        steps.fetch_model()
     assert len(calls) == 3
 
 
@@ -135,7 +135,7 @@ def test_the_memory_estimate_reads_vllms_model_config_on_a_gpu(models, monkeypat
     the KV cache's own size when KV_CACHE_MEMORY_BYTES gives one."""
     import types
 
-    import vllm_adapter
+    from worker import vllm_adapter
 
     gpu = types.SimpleNamespace(is_cuda_alike=lambda: True, get_device_total_memory=lambda: 2**30)
     weights = (models["tiny-llama"] / "model.safetensors").stat().st_size

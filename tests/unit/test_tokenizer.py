@@ -16,10 +16,10 @@ from mistral_common.protocol.instruct.messages import AssistantMessage, SystemMe
 from mistral_common.protocol.instruct.request import ChatCompletionRequest
 from mistral_common.tokens.tokenizers.mistral import MistralTokenizer as MistralCommonTokenizer
 
-from engine import _INLINE_TOKENIZE_CHARS, vLLMEngine
-from errors import RequestError
-from job_input import JobInput
-from tokenizer import MISTRAL_IGNORES_TEMPLATE, NO_TEMPLATE, TokenizerWrapper, prompt_chars
+from worker.engine.vllm_engine import _INLINE_TOKENIZE_CHARS, vLLMEngine
+from worker.wire.errors import RequestError
+from worker.jobs.job_input import JobInput
+from worker.engine.tokenizer import MISTRAL_IGNORES_TEMPLATE, NO_TEMPLATE, TokenizerWrapper, prompt_chars
 
 DATA = Path(mistral_common.__file__).parent / "data"
 # (packaged file, name in a model repository): a Tekken v3 (Nemo-style) and a SentencePiece v7
@@ -125,7 +125,7 @@ def test_mistral_text_parts_and_long_chats(mistral):
 
 def test_custom_chat_template_is_ignored_for_mistral_tokenizers_as_vllm_does(mistral, caplog):
     tokenizer, reference = mistral
-    with caplog.at_level(logging.WARNING, logger="tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="worker.engine.tokenizer"):
         wrapper = TokenizerWrapper(tokenizer, CUSTOM_TEMPLATE)
     assert MISTRAL_IGNORES_TEMPLATE in caplog.text
     assert wrapper.custom_chat_template is None

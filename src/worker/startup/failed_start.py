@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
-from error_types import is_anthropic_route
-from errors import ConfigError, ErrorPayload, StartupError, error_response
-from process_exit import stop_then_exit
+from worker.wire.dialects import is_anthropic_route
+from worker.wire.errors import ConfigError, ErrorPayload, StartupError, error_response
+from worker.startup.process_exit import stop_then_exit
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def serve(failure: StartupError, seconds: float) -> None:
         sys.exit(status)
     import runpod
 
-    import job_loop
+    from worker.scheduling import job_loop
 
     async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         log.warning("Job %s: answered with the start-up failure", job.get("id"))

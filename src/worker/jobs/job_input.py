@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from errors import RequestError
+from worker.wire.errors import RequestError
 
 __all__ = ["JobInput"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from errors import ConfigError
+from worker.wire.errors import ConfigError
 
 if TYPE_CHECKING:
-    from arg_parser import Setting
+    from worker.config.arg_parser import Setting
 
 __all__ = ["check_model_folder"]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from arg_parser import EnvParser, Setting
+    from worker.config.arg_parser import EnvParser, Setting
 
 __all__ = ["BAKED_SOURCE_KEYS", "args_file", "baked_layer", "read", "use_baked_copies", "write"]
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from sse import event_ends
+from worker.wire.sse import event_ends
 
 __all__ = ["Response", "request"]
 

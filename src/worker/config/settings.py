@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-import baked_args
-from env_text import env_value
-from errors import ConfigError
-from preflight import ModelRequest, RepoRequest
+from worker.model import baked_args
+from worker.config.env_text import env_value
+from worker.wire.errors import ConfigError
+from worker.model.preflight import ModelRequest, RepoRequest
 
 if TYPE_CHECKING:
-    from engine_args import ResolvedArgs
-    from preflight import Fetched
+    from worker.config.engine_args import ResolvedArgs
+    from worker.model.preflight import Fetched
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ def load_config(env: Mapping[str, str] | None = None,
                 downloaded: tuple[Fetched, Fetched | None] | None = None) -> WorkerConfig:
     """Read and validate all configuration; raises ConfigError listing every problem.
     ``downloaded``: the model (and tokenizer) ``preflight`` fetched, served from their snapshots."""
-    from engine_args import known_env_names, resolve_args  # imports vLLM
+    from worker.config.engine_args import known_env_names, resolve_args  # imports vLLM
 
     env = os.environ if env is None else env
     _warn_near_misses(env, known_env_names() | WorkerSettings.env_names())

@@ -13,8 +13,8 @@ from typing import Any
 
 import msgspec
 
-from errors import RequestError
-from vllm_adapter import (
+from worker.wire.errors import RequestError
+from worker.vllm_adapter import (
     REQUEST_ERRORS,
     SAMPLING_FIELDS,
     RequestOutputKind,

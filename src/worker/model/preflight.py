@@ -49,8 +49,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from download_model import select_files
-from errors import StartupError
+from worker.model.download_model import select_files
+from worker.wire.errors import StartupError
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from urllib3 import encode_multipart_formdata
 
-from errors import RequestError
+from worker.wire.errors import RequestError
 
 __all__ = ["form_body"]
 

@@ -23,14 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
-from errors import StartupError
+from worker.wire.errors import StartupError
 
 if TYPE_CHECKING:
-    from concurrency import Concurrency
-    from engine import vLLMEngine
-    from engine_args import ResolvedArgs
-    from preflight import Fetched
-    from settings import WorkerConfig
+    from worker.scheduling.concurrency import Concurrency
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.config.engine_args import ResolvedArgs
+    from worker.model.preflight import Fetched
+    from worker.config.settings import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def _once_more(step: Callable[[], T], what: str) -> T:
 
 def fetch_model() -> tuple[Fetched, Fetched | None] | None:
     """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured."""
-    from preflight import prepare
-    from settings import model_request
+    from worker.model.preflight import prepare
+    from worker.config.settings import model_request
 
     request = model_request()
     return _once_more(lambda: prepare(request), "Model download") if request else None
@@ -91,7 +91,7 @@ def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) ->
 
 def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -> WorkerConfig:
     """``config`` with engine flags changed for a retry (shown as such in its summary)."""
-    from arg_parser import Setting
+    from worker.config.arg_parser import Setting
 
     engine_args = copy.deepcopy(config.args.engine_args)
     flags = dict(config.args.flags)
@@ -104,7 +104,7 @@ def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -
 
 def _start_once(config: WorkerConfig, build: Callable[[WorkerConfig], T], note_dir: Path,
                 attempt: int) -> T:
-    from vllm_adapter import ENGINE_FAILURE_FILE_ENV, engine_failure as noted_failure, note_engine_failures
+    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, engine_failure as noted_failure, note_engine_failures
 
     os.environ[ENGINE_FAILURE_FILE_ENV] = str(note_dir / f"attempt-{attempt}.json")
     note_engine_failures(in_engine_process=False)

@@ -26,7 +26,7 @@ from fastapi import params
 from fastapi.routing import APIRoute
 from starlette.routing import compile_path
 
-from error_types import is_anthropic_route
+from worker.wire.dialects import is_anthropic_route
 
 __all__ = ["DENIED", "REVIEWED", "WORKER_LOCAL", "Route", "RouteTable", "unclassified_routes"]
 

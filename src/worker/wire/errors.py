@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from http import HTTPStatus
 
-from error_types import anthropic_type, openai_type
+from worker.wire.dialects import anthropic_type, openai_type
 
 
 class WorkerError(Exception):

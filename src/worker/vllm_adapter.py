@@ -1,7 +1,10 @@
-"""The one module that imports vLLM (and torch): a vLLM upgrade should touch this file only.
+"""The one module that imports vLLM (and torch), where vLLM's moved or renamed names are resolved.
 
 Everything here is vLLM 0.32's own API, re-exported under stable names, plus the few helpers
-whose shape depends on vLLM's internals (the CLI parser, sampling-parameter validation).
+whose shape depends on vLLM's internals (the CLI parser, sampling-parameter validation). Two other
+modules change with vLLM by design, without importing it: ``config/arg_parser`` reviews each of
+``vllm serve``'s flags and ``routes/route_table`` each of its app's routes, so that a new flag or
+route is noticed (by the tests and the contract check) instead of silently served or ignored.
 """
 
 from __future__ import annotations

@@ -27,20 +27,20 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from asgi_client import Response, request
-from batching import Batches, BatchSize, job_batch_size
-from body_envelope import Envelope, is_json
-from error_types import is_anthropic_route
-from errors import ErrorPayload, anthropic_error, create_error_response, error_response
-from forms import form_body
-from job_input import JobInput
-from routes import DENIED, WORKER_LOCAL, Route, RouteTable
-from settings import WorkerSettings
-from sse import EventSplitter, data_json
-from vllm_adapter import build_openai_app
+from worker.routes.asgi_client import Response, request
+from worker.jobs.batching import Batches, BatchSize, job_batch_size
+from worker.wire.body_envelope import Envelope, is_json
+from worker.wire.dialects import is_anthropic_route
+from worker.wire.errors import ErrorPayload, anthropic_error, create_error_response, error_response
+from worker.routes.forms import form_body
+from worker.jobs.job_input import JobInput
+from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
+from worker.config.settings import WorkerSettings
+from worker.wire.sse import EventSplitter, data_json
+from worker.vllm_adapter import build_openai_app
 
 if TYPE_CHECKING:
-    from engine import vLLMEngine
+    from worker.engine.vllm_engine import vLLMEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The configuration layers (vLLM defaults < worker defaults < baked < YAML < env < aliases)."""

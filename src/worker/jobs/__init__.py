@@ -1,0 +1,1 @@
+"""A job's input, how its stream is batched, and its deadlines."""

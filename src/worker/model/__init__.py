@@ -1,0 +1,1 @@
+"""Getting the model: baked into the image at build time, or fetched from the hub at start."""

@@ -1,0 +1,188 @@
+"""Bakes a model into the Docker image at build time: ``python3 /src/download_model.py``.
+
+Reads the Dockerfile's build args from the environment:
+
+- ``MODEL_NAME``: the repo to bake; when empty, nothing is baked and the script succeeds;
+- ``MODEL_REVISION``: its branch, tag or commit (default: main);
+- ``TOKENIZER_NAME`` / ``TOKENIZER_REVISION``: a tokenizer from another repo or revision, baked too;
+- ``QUANTIZATION``: recorded for the worker, which loads the model with it.
+
+From each repo it downloads the config and tokenizer files and exactly one weight format (top-level
+``*.safetensors``, else ``*.bin``, else ``*.pt``; no training state), with progress bars, into
+``BAKED_MODELS_DIR`` (default ``/models``; not under ``BASE_PATH``, where a network volume is
+mounted at run time and would hide it). Then it writes ``LOCAL_MODEL_ARGS_FILE`` (default
+``/local_model_args.json``), the file the worker's config layer reads (``baked_args.py``: the local
+snapshot paths, the repos they came from, and ``QUANTIZATION``). Revisions are not written: a
+snapshot path is one revision already, and a revision there would also apply to any other model
+named at run time.
+
+The Hugging Face token comes from huggingface_hub's usual sources: ``HF_TOKEN``, or the file at
+``HF_TOKEN_PATH`` (the Dockerfile points it at the ``HF_TOKEN`` BuildKit secret). With
+``HF_HUB_OFFLINE=1`` the repos are taken from the local cache in ``BAKED_MODELS_DIR``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx2  # huggingface_hub's HTTP client
+import huggingface_hub
+from huggingface_hub import HfApi, constants, snapshot_download
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+from worker.model import baked_args
+
+log = logging.getLogger("download_model")
+
+DEFAULT_MODELS_DIR = "/models"
+
+# One weight format per repo, in vLLM's order of preference; only top-level files are weights
+# (sub-folders hold other variants, e.g. `original/` checkpoints or ONNX exports).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+# Training state saved beside the weights, which vLLM skips (and which may dwarf the model).
+TRAINING_STATE = frozenset({"training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt",
+                            "scaler.pt"})
+# Everything else a model needs: configs (also in sub-folders, e.g. sentence-transformers pooling),
+# tokenizer files of every kind, chat templates, and code for trust_remote_code models.
+SUPPORT_PATTERNS = ("*.json", "*.jinja", "*.model", "*.tiktoken", "*.txt", "*.py", "tokenizer*")
+
+
+class BakeError(Exception):
+    """A model cannot be baked; the message says why and what to do."""
+
+
+class Snapshot(NamedTuple):
+    path: Path
+    files: tuple[str, ...]
+
+
+def weight_files(files: Iterable[str]) -> list[str]:
+    """The repo's weights in the first format it has (safetensors, else .bin, else .pt)."""
+    top_level = [f for f in files if "/" not in f and f not in TRAINING_STATE]
+    for suffix in WEIGHT_SUFFIXES:
+        if found := sorted(f for f in top_level if f.endswith(suffix)):
+            return found
+    return []
+
+
+def select_files(files: Iterable[str], *, weights: bool) -> list[str]:
+    """The files to bake from a repo's file list: config and tokenizer files, and its weights.
+
+    Raises ValueError when the repo has no config or tokenizer files, or no weights when they are
+    wanted.
+    """
+    files = sorted(files)
+    chosen = {f for f in files if any(fnmatch.fnmatch(f, p) for p in SUPPORT_PATTERNS)}
+    if not chosen:
+        raise ValueError(f"no config or tokenizer files ({', '.join(SUPPORT_PATTERNS)}) among: "
+                         + ", ".join(files))
+    if weights:
+        found = weight_files(files)
+        if not found:
+            raise ValueError("no weight files (top-level *.safetensors, *.bin or *.pt) among: "
+                             + ", ".join(files))
+        chosen.update(found)
+    return sorted(chosen)
+
+
+def repo_files(repo: str, revision: str | None, cache_dir: Path) -> list[str]:
+    """Every file of the repo at ``revision``: from the hub, or from the local cache when offline."""
+    if constants.HF_HUB_OFFLINE:
+        snapshot = Path(snapshot_download(repo, revision=revision, cache_dir=cache_dir,
+                                          local_files_only=True))
+        return [p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*") if p.is_file()]
+    return HfApi().list_repo_files(repo, revision=revision)
+
+
+def _token_hint() -> str:
+    if huggingface_hub.get_token() is None:
+        return "build with a token: HF_TOKEN=hf_... docker buildx bake worker-baked"
+    return "check that the token given can read it"
+
+
+@contextmanager
+def _explained(where: str) -> Iterator[None]:
+    """Hub errors as BakeErrors saying what went wrong and how to fix it."""
+    try:
+        yield
+    except GatedRepoError:  # before RepositoryNotFoundError: it is a subclass
+        raise BakeError(f"{where} is gated: accept its terms on huggingface.co, then "
+                        f"{_token_hint()}") from None
+    except RepositoryNotFoundError:
+        raise BakeError(f"{where} does not exist on the Hugging Face hub, or is private: "
+                        f"{_token_hint()}") from None
+    except RevisionNotFoundError:
+        raise BakeError(f"{where}: no such revision") from None
+    except LocalEntryNotFoundError:
+        raise BakeError(f"{where} is not in the local cache, and HF_HUB_OFFLINE is set") from None
+    except HfHubHTTPError as exc:
+        if exc.response is not None and exc.response.status_code == 401:  # the token itself
+            raise BakeError(f"{where}: the hub refused the token (invalid or revoked): "
+                            "build with a valid read token") from None
+        raise BakeError(f"{where}: the hub at {constants.ENDPOINT} answered: {exc}") from None
+    except ValueError as exc:
+        raise BakeError(f"{where}: {exc}") from None
+    except httpx2.TransportError as exc:
+        raise BakeError(f"{where}: cannot reach the hub at {constants.ENDPOINT} ({exc})") from None
+
+
+def fetch(repo: str, revision: str | None, cache_dir: Path, *, weights: bool) -> Snapshot:
+    """Download the files ``select_files`` picks; returns the local snapshot."""
+    with _explained(f"{repo} (revision {revision or 'main'})"):
+        files = select_files(repo_files(repo, revision, cache_dir), weights=weights)
+        log.info("Baking %s: %s", repo, ", ".join(files))
+        path = snapshot_download(repo, revision=revision, cache_dir=cache_dir, allow_patterns=files)
+    return Snapshot(Path(path), tuple(files))
+
+
+def _setting(env: Mapping[str, str], name: str) -> str | None:
+    return env.get(name, "").strip() or None
+
+
+def bake(env: Mapping[str, str]) -> dict[str, str] | None:
+    """Bake the model (and tokenizer) ``env`` names; returns the args written, None if none."""
+    model = _setting(env, "MODEL_NAME")
+    if model is None:
+        log.info("MODEL_NAME is empty: no model baked in")
+        return None
+    cache_dir = Path(_setting(env, "BAKED_MODELS_DIR") or DEFAULT_MODELS_DIR)
+    revision = _setting(env, "MODEL_REVISION")
+    local_model = fetch(model, revision, cache_dir, weights=True).path
+    tokenizer = _setting(env, "TOKENIZER_NAME") or model
+    # Another repo's tokenizer comes from its own default branch unless TOKENIZER_REVISION names one.
+    tokenizer_revision = _setting(env, "TOKENIZER_REVISION") or (revision if tokenizer == model else None)
+    other_tokenizer = None
+    if (tokenizer, tokenizer_revision) != (model, revision):  # else the model's own files serve
+        other_tokenizer = tokenizer, fetch(tokenizer, tokenizer_revision, cache_dir, weights=False).path
+    path = baked_args.args_file(env)
+    baked = baked_args.write(path, model, local_model, other_tokenizer, _setting(env, "QUANTIZATION"))
+    log.info("Wrote %s: %s", path, baked)
+    return baked
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    huggingface_hub.utils.enable_progress_bars()  # the build log is the only sign of a long download
+    try:
+        bake(os.environ)
+    except BakeError as exc:
+        log.error("Cannot bake the model: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

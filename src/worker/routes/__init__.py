@@ -1,0 +1,1 @@
+"""The OpenAI and Anthropic routes, answered in-process by vLLM's own app."""

@@ -1,0 +1,1 @@
+"""Taking jobs: the job loop and adaptive concurrency."""

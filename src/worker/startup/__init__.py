@@ -1,0 +1,1 @@
+"""Start-up steps, their retries, and what a worker that could not start does."""
