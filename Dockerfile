@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # The RunPod serverless worker on the official vLLM OpenAI image, of the vLLM release the CPU test
 # suite runs (scripts/requirements-cpu.lock), so the tested code is the shipped code. Build it with
-# `docker buildx bake` (docker-bake.hcl); see the README's "Docker image" section.
+# `docker buildx bake` (docker-bake.hcl); see docs/image.md.
 # BASE_IMAGE picks the flavour, and nothing else differs: the official image (GPU), or the CPU base
 # of builder/cpu-base.Dockerfile (bake target worker-cpu), which the image test tier builds and runs.
 ARG VLLM_VERSION=0.32.0
@@ -23,7 +23,7 @@ RUN if [ "$VLLM_NIGHTLY" = "true" ]; then \
 
 # Hugging Face caches on RunPod's network volume (mounted at BASE_PATH): models that are not baked
 # in are downloaded there at start-up and shared by the endpoint's workers. The worker keeps vLLM's
-# compile cache there too ($BASE_PATH/vllm-cache; see the README's "Cold start").
+# compile cache there too ($BASE_PATH/vllm-cache; see docs/cold-start.md).
 ARG BASE_PATH=/runpod-volume
 ENV BASE_PATH=${BASE_PATH} \
     HF_HOME=${BASE_PATH}/huggingface-cache \

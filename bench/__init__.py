@@ -1,1 +1,1 @@
-"""Benchmarks of the worker against raw vLLM: ``scripts/bench.sh [--quick]`` (see README, Benchmarks)."""
+"""Benchmarks of the worker against raw vLLM: ``scripts/bench.sh [--quick]`` (see docs/benchmarks.md)."""

@@ -22,6 +22,7 @@ import httpx
 import jsonschema
 import pytest
 from conftest import CPU_ENV, REPO
+from doc_pages import README, section
 from image import Built, build, buildah, copy_context, image_config
 from worker.config.settings import VOLUME_CACHE_DIR
 
@@ -189,8 +190,8 @@ def endpoint(hub, baked, volume, tmp_path_factory) -> Iterator[LocalEndpoint]:
 
 def readme_requests() -> tuple[dict, dict]:
     """The README's quick-start raw job and OpenAI request bodies (its two curl -d arguments)."""
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index("```bash\ncurl -s"):]
+    quick_start = section(README, "Quick start (CPU machine, no GPU needed)")
+    block = quick_start[quick_start.index("```bash\ncurl -s"):]
     bodies = [body.replace("'\"$PWD\"'/.cache/models/smollm2-135m-instruct", MODEL)
               for body in re.findall(r"-d '(.*?)'\n", block, re.S)[:2]]
     return json.loads(bodies[0]), json.loads(bodies[1])

@@ -22,6 +22,7 @@ import image
 import jsonschema
 import pytest
 from conftest import REPO
+from doc_pages import DOCS, section
 
 from worker.config.arg_parser import ENV_ALIASES, ZERO_MEANS_UNSET
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
@@ -327,7 +328,7 @@ def test_hub_tests_are_a_raw_job_and_an_openai_chat_job_on_smollm2():
     assert chat.model == env["MODEL_NAME"]  # the served name: another would be a 404
 
 
-# --- README defaults -------------------------------------------------------------------------------
+# --- docs defaults ---------------------------------------------------------------------------------
 
 def table_defaults(text: str) -> dict[str, str | None]:
     """`NAME` → default, from table rows `| `NAME`, `NAME2` | `default` | ...` (`–`: none)."""
@@ -335,11 +336,10 @@ def table_defaults(text: str) -> dict[str, str | None]:
     return {name: default or None for names, default in rows for name in re.findall(r"[A-Z_]+", names)}
 
 
-def test_readme_documents_the_image_builds_with_their_defaults():
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("## Docker image"):readme.index("## Development")]
-    assert "docker buildx bake" in section and "docker buildx bake worker-baked" in section
-    assert table_defaults(section) == {name: default or None for name, default in dockerfile_args().items()}
+def test_docs_document_the_image_builds_with_their_defaults():
+    page = section(DOCS / "image.md", "Docker image")
+    assert "docker buildx bake" in page and "docker buildx bake worker-baked" in page
+    assert table_defaults(page) == {name: default or None for name, default in dockerfile_args().items()}
 
 
 def test_hub_readme_shows_the_hub_defaults():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+from doc_pages import README, section
 
 SRC = REPO / "src"
 # Bottom to top: a room may import from the rooms before it (and itself), never after.
@@ -99,13 +100,13 @@ def test_the_rooms_below_the_adapters_users_import_without_vllm():
 
 
 def test_the_readme_layout_is_the_folder_and_each_packages_docstring():
-    readme = (REPO / "README.md").read_text()
-    rows = dict(re.findall(r"^\| `src/worker/(\w+)/` \| (.+) \|$", readme, re.MULTILINE))
+    layout = section(README, "Code layout")
+    rows = dict(re.findall(r"^\| `src/worker/(\w+)/` \| (.+) \|$", layout, re.MULTILINE))
     packages = {path.parent.name: path.parent for path in (SRC / "worker").glob("*/__init__.py")}
     assert rows.keys() == packages.keys()
     for name, folder in packages.items():
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         modules = ", ".join(sorted(path.stem for path in folder.glob("*.py") if path.stem != "__init__"))
         assert rows[name] == f"{doc.removesuffix('.')}: {modules}"
-    top = set(re.findall(r"`src/(\w+\.py)`", readme))
+    top = set(re.findall(r"`src/(\w+\.py)`", layout))
     assert top == {path.name for path in SRC.glob("*.py")}
