@@ -38,9 +38,11 @@ except ModuleNotFoundError:  # vLLM 0.32
     from vllm.entrypoints.launchers.cli_args import (FrontendArgs, make_arg_parser,
                                                      propagate_flash_late_interaction,
                                                      validate_parsed_serve_args)
+from vllm.entrypoints.serve.exception_handling.error_response import \
+    create_error_response as _vllm_error_response
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
@@ -76,7 +78,6 @@ VLLM_VERSION = vllm.__version__
 # Errors after which the engine cannot serve again: the worker must be replaced.
 FATAL_ERRORS: tuple[type[BaseException], ...] = (EngineDeadError, torch.AcceleratorError)
 # Errors caused by the request (HTTP 4xx).
-NOT_FOUND_ERRORS = (VLLMNotFoundError,)
 REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError, msgspec.ValidationError)
 
 
@@ -85,14 +86,13 @@ def is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, FATAL_ERRORS)
 
 
-def error_status(exc: BaseException) -> HTTPStatus:
-    """What an exception from vLLM means, by its type (never its message): 404 for what vLLM
-    does not have, 400 for a request it rejects, else 500."""
-    if isinstance(exc, NOT_FOUND_ERRORS):
-        return HTTPStatus.NOT_FOUND
-    if isinstance(exc, REQUEST_ERRORS):
-        return HTTPStatus.BAD_REQUEST
-    return HTTPStatus.INTERNAL_SERVER_ERROR
+def error_status(exc: Exception) -> HTTPStatus:
+    """What an exception from vLLM means, as `vllm serve` answers it: vLLM's own classification,
+    which its API server's exception handlers use, by type (never the message). A
+    ``GracefulHTTPError``'s own status (503 for a full queue), 503 for a retryable failure, 422 for
+    content vLLM cannot process, 404 for what it does not have, 400 for a request it rejects, 501
+    for what it does not implement, else 500."""
+    return HTTPStatus(_vllm_error_response(exc).error.code)
 
 # SamplingParams fields a job may set: the public ones, less those the worker controls.
 _WORKER_CONTROLLED = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})
