@@ -38,9 +38,11 @@ except ModuleNotFoundError:  # vLLM 0.32
     from vllm.entrypoints.launchers.cli_args import (FrontendArgs, make_arg_parser,
                                                      propagate_flash_late_interaction,
                                                      validate_parsed_serve_args)
+from vllm.entrypoints.serve.exception_handling.error_response import \
+    create_error_response as _vllm_error_response
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.model_executor.models.registry import ModelRegistry
-from vllm.exceptions import VLLMClientError, VLLMNotFoundError
+from vllm.exceptions import VLLMClientError
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
@@ -52,6 +54,7 @@ from vllm.tool_parsers import ToolParserManager
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.gc_utils import freeze_gc_heap
+from vllm.utils.import_utils import import_from_path
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
@@ -76,7 +79,6 @@ VLLM_VERSION = vllm.__version__
 # Errors after which the engine cannot serve again: the worker must be replaced.
 FATAL_ERRORS: tuple[type[BaseException], ...] = (EngineDeadError, torch.AcceleratorError)
 # Errors caused by the request (HTTP 4xx).
-NOT_FOUND_ERRORS = (VLLMNotFoundError,)
 REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError, msgspec.ValidationError)
 
 
@@ -85,14 +87,13 @@ def is_fatal(exc: BaseException) -> bool:
     return isinstance(exc, FATAL_ERRORS)
 
 
-def error_status(exc: BaseException) -> HTTPStatus:
-    """What an exception from vLLM means, by its type (never its message): 404 for what vLLM
-    does not have, 400 for a request it rejects, else 500."""
-    if isinstance(exc, NOT_FOUND_ERRORS):
-        return HTTPStatus.NOT_FOUND
-    if isinstance(exc, REQUEST_ERRORS):
-        return HTTPStatus.BAD_REQUEST
-    return HTTPStatus.INTERNAL_SERVER_ERROR
+def error_status(exc: Exception) -> HTTPStatus:
+    """What an exception from vLLM means, as `vllm serve` answers it: vLLM's own classification,
+    which its API server's exception handlers use, by type (never the message). A
+    ``GracefulHTTPError``'s own status (503 for a full queue), 503 for a retryable failure, 422 for
+    content vLLM cannot process, 404 for what it does not have, 400 for a request it rejects, 501
+    for what it does not implement, else 500."""
+    return HTTPStatus(_vllm_error_response(exc).error.code)
 
 # SamplingParams fields a job may set: the public ones, less those the worker controls.
 _WORKER_CONTROLLED = frozenset({"output_kind", "skip_clone", "output_text_buffer_length"})
@@ -146,22 +147,47 @@ def arg_annotations() -> dict[str, str]:
 
 
 def validate_frontend_args(namespace: argparse.Namespace) -> list[str]:
-    """Problems `vllm serve` would report for these front-end flags, as messages."""
+    """Problems `vllm serve` would report for these front-end flags, as messages. Like `vllm serve`,
+    imports the parser plugins first (in this process, which then builds the app), so that the
+    parsers they register can be named."""
     problems = []
     try:
         validate_parsed_serve_args(namespace)
     except (TypeError, ValueError) as exc:
         problems.append(str(exc).removeprefix("Error: "))
-    parser = namespace.tool_call_parser
-    if parser and not namespace.tool_parser_plugin and parser not in ToolParserManager.list_registered():
-        problems.append(f"TOOL_CALL_PARSER={parser!r}: expected one of "
-                        + ", ".join(ToolParserManager.list_registered()))
-    reasoning = namespace.reasoning_parser
-    if reasoning and not namespace.reasoning_parser_plugin \
-            and reasoning not in ReasoningParserManager.list_registered():
-        problems.append(f"REASONING_PARSER={reasoning!r}: expected one of "
-                        + ", ".join(ReasoningParserManager.list_registered()))
+    for parser_dest, plugin_dest, registry in _PARSERS:
+        problems += _parser_problems(namespace, parser_dest, plugin_dest, registry)
     return problems
+
+
+# Each parser flag, the flag of its plugin (a module or a Python file that registers parsers when
+# imported) and vLLM's registry of its parsers.
+_PARSERS = (("tool_call_parser", "tool_parser_plugin", ToolParserManager),
+            ("reasoning_parser", "reasoning_parser_plugin", ReasoningParserManager))
+
+
+def _parser_problems(namespace: argparse.Namespace, parser_dest: str, plugin_dest: str,
+                     registry: type[ToolParserManager | ReasoningParserManager]) -> list[str]:
+    if (plugin := getattr(namespace, plugin_dest)) and (failure := _import_plugin(plugin)):
+        return [f"{plugin_dest.upper()}={plugin!r}: {failure}"]
+    if (parser := getattr(namespace, parser_dest)) and parser not in registry.list_registered():
+        return [f"{parser_dest.upper()}={parser!r}: expected one of " + ", ".join(registry.list_registered())]
+    return []
+
+
+def _import_plugin(plugin: str) -> str | None:
+    """Imports a plugin as vLLM's ``import_plugin`` does, a Python file or a module on the path; says
+    what failed (vLLM only logs it, and serves without the plugin's parsers)."""
+    is_file = Path(plugin).is_file()
+    try:
+        if is_file:
+            import_from_path(Path(plugin).stem, plugin)
+        else:
+            importlib.import_module(plugin)
+    except Exception as exc:  # noqa: BLE001 - the user's code: any failure is a configuration error
+        where = "importing it failed" if is_file else "no such file, and importing it as a module failed"
+        return f"{where}: {type(exc).__name__}: {exc}"
+    return None
 
 
 def visible_gpu_count() -> int:

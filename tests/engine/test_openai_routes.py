@@ -11,6 +11,7 @@ from conftest import cosine
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
+from worker.config.settings import load_config
 from worker.jobs.batching import BatchSize
 from worker.jobs.job_input import JobInput
 from worker.wire import sse
@@ -90,6 +91,35 @@ def test_tool_calls_with_the_hermes_parser(smol_engine, run_openai):
     message = ChatCompletion.model_validate(item).choices[0].message
     assert message.tool_calls and message.tool_calls[0].function.name == "get_weather"
     assert json.loads(message.tool_calls[0].function.arguments) == {"city": "Paris"}
+
+
+# A TOOL_PARSER_PLUGIN: its parser answers one call of get_weather for Paris, whatever the model says.
+FIXED_CALL_PLUGIN = """
+from vllm.entrypoints.generate.base.protocol import ExtractedToolCallInformation, FunctionCall, ToolCall
+from vllm.tool_parsers import ToolParser, ToolParserManager
+
+
+@ToolParserManager.register_module("fixed-call")
+class FixedCallParser(ToolParser):
+    def extract_tool_calls(self, model_output, request):
+        call = ToolCall(function=FunctionCall(name="get_weather", arguments='{"city": "Paris"}'))
+        return ExtractedToolCallInformation(tools_called=True, tool_calls=[call], content=None)
+"""
+
+
+def test_a_tool_parser_plugin_is_loaded_and_its_parser_used(tiny_engine, tiny_env, run_openai, tmp_path):
+    """TOOL_PARSER_PLUGIN, as `vllm serve --tool-parser-plugin`: a parser it registers can be named."""
+    plugin = tmp_path / "fixed_call_plugin.py"
+    plugin.write_text(FIXED_CALL_PLUGIN)
+    config = load_config({**tiny_env, "TOOL_PARSER_PLUGIN": str(plugin), "TOOL_CALL_PARSER": "fixed-call",
+                          "ENABLE_AUTO_TOOL_CHOICE": "true"})
+    tools_engine = OpenAIvLLMEngine(tiny_engine, config.args.namespace)
+    body = {"model": model_of(tools_engine), "max_tokens": 4, "tools": [WEATHER_TOOL],
+            "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
+    (item,) = run_openai(tools_engine, "/v1/chat/completions", body)
+    calls = ChatCompletion.model_validate(item).choices[0].message.tool_calls
+    assert [(call.function.name, json.loads(call.function.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Paris"})]
 
 
 # --- routes and shapes (tiny model) ---------------------------------------------------------

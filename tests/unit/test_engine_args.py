@@ -6,6 +6,8 @@ import json
 import logging
 
 import pytest
+from vllm.reasoning import ReasoningParserManager
+from vllm.tool_parsers import ToolParserManager
 
 from worker.config.arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
@@ -174,6 +176,58 @@ def test_frontend_flags_and_aliases(files):
                  RETURN_TOKENS_AS_TOKEN_IDS="1").namespace
     assert (ns.enable_auto_tool_choice, ns.tool_call_parser, ns.response_role) == (True, "hermes", "bot")
     assert ns.chat_template == "{{ messages }}" and ns.return_tokens_as_token_ids is True
+
+
+# A parser plugin, as `vllm serve --tool-parser-plugin` takes one: a file whose import registers a parser.
+PLUGIN = """
+from vllm.{package} import {base}, {registry}
+
+
+@{registry}.register_module("{name}")
+class PluginParser({base}):
+    pass
+"""
+# (package, base class, registry), the plugin's variable and the parser's.
+TOOL = ("tool_parsers", "ToolParser", "ToolParserManager"), "TOOL_PARSER_PLUGIN", "TOOL_CALL_PARSER"
+REASONING = (("reasoning", "ReasoningParser", "ReasoningParserManager"), "REASONING_PARSER_PLUGIN",
+             "REASONING_PARSER")
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """plugin(kind, name, text=PLUGIN) → the path of a plugin file registering parser ``name``;
+    vLLM's registries forget it after the test."""
+    for registry in (ToolParserManager, ReasoningParserManager):
+        monkeypatch.setattr(registry, "lazy_parsers", dict(registry.lazy_parsers))
+
+    def write(kind, name, text=PLUGIN):
+        (package, base, registry), _, _ = kind
+        path = tmp_path / f"parser_plugin_{name.replace('-', '_')}.py"
+        path.write_text(text.format(package=package, base=base, registry=registry, name=name))
+        return str(path)
+
+    return write
+
+
+@pytest.mark.parametrize(("kind", "registry"), [(TOOL, ToolParserManager), (REASONING, ReasoningParserManager)],
+                         ids=["tool", "reasoning"])
+def test_a_parser_plugin_is_imported_so_its_parser_can_be_named(files, plugin, kind, registry):
+    _, plugin_env, parser_env = kind
+    resolve(files, MODEL_NAME="m", **{plugin_env: plugin(kind, "plugin-parser"), parser_env: "plugin-parser"})
+    assert "plugin-parser" in registry.list_registered()
+
+
+@pytest.mark.parametrize(("make", "fragments"), [
+    (lambda plugin: "/nonexistent/parser_plugin.py",
+     ["TOOL_PARSER_PLUGIN='/nonexistent/parser_plugin.py': no such file", "No module named"]),
+    (lambda plugin: plugin(TOOL, "broken", "raise RuntimeError('plugin broke')"),
+     ["TOOL_PARSER_PLUGIN=", "importing it failed: RuntimeError: plugin broke"]),
+    (lambda plugin: plugin(TOOL, "other-parser"), ["TOOL_CALL_PARSER='mine': expected one of", "other-parser"]),
+])
+def test_a_tool_parser_plugin_that_fails_or_lacks_the_parser_is_a_config_error(files, plugin, make, fragments):
+    with pytest.raises(ConfigError) as raised:
+        resolve(files, MODEL_NAME="m", TOOL_PARSER_PLUGIN=make(plugin), TOOL_CALL_PARSER="mine")
+    assert all(fragment in str(raised.value) for fragment in fragments), str(raised.value)
 
 
 def test_frontend_flags_beyond_a_hand_written_list(files):

@@ -3,14 +3,19 @@
 import asyncio
 import subprocess
 import sys
+from http import HTTPStatus
 
 import pytest
 from conftest import REPO, alive, wait_for
+from vllm.exceptions import (GracefulHTTPError, QueueOverflowError, RetryableRequestError, VLLMNotFoundError,
+                             VLLMUnprocessableEntityError, VLLMValidationError)
 
 import handler
 from worker.wire.errors import RequestError
 from worker.config.settings import WorkerSettings
+from worker.engine.background_loop import BackgroundLoop
 from worker.engine.tokenizer import NO_TEMPLATE, TokenizerWrapper
+from worker.engine.vllm_engine import vLLMEngine
 from worker.vllm_adapter import EngineDeadError, is_fatal
 
 
@@ -49,6 +54,49 @@ def test_other_errors_keep_the_worker(monkeypatch, exc, code):
     items = run({"id": "j", "input": {"prompt": "x"}}, FailingEngine(exc), monkeypatch)
     assert [i.get("error", {}).get("code") for i in items] == [None, code] and exits == []
     assert not is_fatal(exc)
+
+
+class RefusingLLM:
+    """An AsyncLLM stand-in whose requests fail with ``exc``, as ``AsyncLLM.generate`` raises."""
+
+    exc: Exception
+
+    async def generate(self, prompt, params, request_id):
+        raise self.exc
+        yield
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=True):
+        return [ord(char) for char in text]
+
+
+@pytest.fixture
+def refusing_engine():
+    """The raw-job engine (vLLMEngine) around RefusingLLM."""
+    loop = BackgroundLoop("test-engine")
+    yield vLLMEngine.from_parts(WorkerSettings(), RefusingLLM(), loop, tokenizer=CharTokenizer())
+    loop.close()
+
+
+@pytest.mark.parametrize(("exc", "code", "error_type"), [
+    (QueueOverflowError(), 503, "ServiceUnavailableError"),  # a GracefulHTTPError: its own status
+    (GracefulHTTPError("slow down", HTTPStatus.TOO_MANY_REQUESTS), 429, "RateLimitError"),
+    (RetryableRequestError(), 503, "ServiceUnavailableError"),
+    (VLLMUnprocessableEntityError("image URL not found", parameter="image_url"), 422,
+     "UnprocessableEntityError"),
+    (NotImplementedError("not on this platform"), 501, "NotImplementedError"),
+    (VLLMNotFoundError("no such adapter"), 404, "NotFoundError"),
+    (VLLMValidationError("too long", parameter="max_tokens"), 400, "BadRequestError"),
+    (OverflowError("int too large"), 400, "BadRequestError"),
+])
+def test_a_raw_job_answers_vllms_own_status(monkeypatch, refusing_engine, exc, code, error_type):
+    """As `vllm serve`'s exception handlers answer each of vLLM's exceptions."""
+    refusing_engine.llm.exc = exc
+    [item] = run({"id": "j", "input": {"prompt": "x"}}, refusing_engine, monkeypatch)
+    error = item["error"]
+    assert (error["code"], error["type"]) == (code, error_type) and error["message"] == str(exc)
+    assert error["param"] == getattr(exc, "parameter", None)
 
 
 @pytest.mark.parametrize("route", ["/v1/messages", "/v1/chat/completions"])

@@ -64,6 +64,24 @@ def test_a_path_registered_for_several_methods_keeps_them_all():
     assert table.find("/v1/things").method_for(None) == "GET"
 
 
+@pytest.mark.parametrize(("methods", "body", "method"), [
+    ({"GET", "DELETE"}, None, "GET"),  # never DELETE by default: min() chose it
+    ({"GET", "DELETE"}, {"x": 1}, "GET"),
+    ({"POST", "DELETE"}, None, "POST"),
+    ({"GET", "HEAD"}, None, "GET"),
+    ({"GET", "POST", "DELETE", "PUT"}, {}, "POST"),
+    ({"DELETE"}, None, "DELETE"),  # the route's one method
+])
+def test_a_job_naming_no_method_gets_post_for_a_body_else_get(methods, body, method):
+    assert Route("/v1/things/{id}", frozenset(methods)).method_for(body) == method
+
+
+def test_a_route_without_get_or_post_needs_the_job_to_name_its_method():
+    with pytest.raises(RequestError, match="DELETE, PUT") as caught:
+        Route("/v1/things/{id}", frozenset({"PUT", "DELETE"})).method_for({"x": 1})
+    assert caught.value.param == "method"
+
+
 def parse_form(body: bytes, content_type: str) -> dict[str, list]:
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode() + b"\r\n\r\n" + body)

@@ -42,7 +42,7 @@ class JobInput(BaseModel):
     openai_route: str | None = Field(None, validation_alias=AliasChoices("openai_route", "route"))
     openai_input: dict[str, Any] | None = Field(
         None, validation_alias=AliasChoices("openai_input", "body"))
-    method: Literal["GET", "POST", "PUT", "DELETE"] | None = None  # else the route's own
+    method: Literal["GET", "POST", "PUT", "DELETE"] | None = None  # else Route.method_for chooses
     timeout: float | None = Field(None, gt=0, allow_inf_nan=False)  # seconds; else JOB_TIMEOUT
     # Not an input field: vLLM needs unique ids, so a client cannot choose one.
     _request_id: str = PrivateAttr(default_factory=lambda: uuid.uuid4().hex)

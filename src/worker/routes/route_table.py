@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import compile_path
 
 from worker.wire.dialects import is_anthropic_route
+from worker.wire.errors import RequestError
 
 __all__ = ["DENIED", "REVIEWED", "WORKER_LOCAL", "Route", "RouteTable", "unclassified_routes"]
 
@@ -108,10 +109,17 @@ class Route:
         return _PREAMBLE_EVENTS.get(self.path, 0)
 
     def method_for(self, body: Any) -> str:
-        """The method a job means when it names none: POST with a body, else the route's own."""
+        """The method a job means when it names none: the route's only one; on a route with several,
+        POST for a body and GET without (else the other of the two). Never a method that edits or
+        deletes (PUT, DELETE) by default: on a route with neither GET nor POST, the job must name one.
+        (vLLM 0.32 serves no route with several methods; OpenAI's API has GET and DELETE on one.)"""
         if len(self.methods) == 1:
             return next(iter(self.methods))
-        return "POST" if body is not None and "POST" in self.methods else min(self.methods)
+        preferred = ("POST", "GET") if body is not None else ("GET", "POST")
+        if method := next((method for method in preferred if method in self.methods), None):
+            return method
+        raise RequestError(f"route {self.path!r} takes {', '.join(sorted(self.methods))}: name one in "
+                           "the job's 'method'", param="method")
 
 
 def _takes_form(route: APIRoute) -> bool:

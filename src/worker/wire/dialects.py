@@ -15,7 +15,8 @@ __all__ = ["anthropic_status", "anthropic_type", "is_anthropic_route", "openai_t
 OPENAI_TYPES: Mapping[int, str] = {
     400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
     404: "NotFoundError", 408: "TimeoutError", 413: "RequestTooLargeError",
-    429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+    422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
+    501: "NotImplementedError", 503: "ServiceUnavailableError",  # 501: vLLM's name (the SDK has none)
 }
 
 # Anthropic's error types (https://docs.anthropic.com/en/api/errors), one per status, so that a
