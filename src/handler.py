@@ -31,6 +31,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.env_text import env_value
 from worker.jobs.deadlines import DeadlinePassed, Deadlines
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
@@ -136,7 +137,7 @@ def _asks_anthropic(job: dict[str, Any]) -> bool:
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=(env_value("LOG_LEVEL", os.environ) or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

@@ -58,6 +58,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
 from vllm.v1.metrics.stats import IterationStats
 
+from worker.env_text import env_value
+
 __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
@@ -246,7 +248,7 @@ _KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_
 def _note_failure(exc: BaseException) -> None:
     """Write ``exc`` to ENGINE_FAILURE_FILE_ENV's file (read now: each start attempt has its own),
     unless a process noted a failure there first."""
-    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     if not path:
         return
     frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
@@ -285,7 +287,7 @@ def note_engine_failures(*, in_engine_process: bool) -> None:
 
 def engine_failure() -> dict | None:
     """What an engine process noted: ``type``, ``message``, ``out_of_memory``, ``kv_cache_too_small``."""
-    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     try:
         return json.loads(Path(path).read_text()) if path else None
     except (OSError, ValueError):
@@ -320,7 +322,7 @@ def _users_own(name: str) -> bool:
     ``<temp dir>/torchinductor_<user>``, when first asked (importing vLLM does), and a parent
     process that imported torch (a supervisor, a test run) passes its own on, under its own temp
     dir: neither is anybody's choice."""
-    value = os.environ.get(name)
+    value = env_value(name, os.environ)
     if value is None or value == _SET_HERE.get(name):
         return False
     return not (name == "TORCHINDUCTOR_CACHE_DIR" and Path(value).name == Path(default_cache_dir()).name)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
 from worker.config.arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
 from worker.wire.errors import ConfigError
-from worker.config.settings import load_config, load_settings
+from worker.config.settings import config_file, load_config, load_settings
 from worker.vllm_adapter import frontend_arg_dests
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
@@ -166,6 +167,11 @@ def test_choices_and_optional(files):
 def test_empty_value_means_unset(files):
     args = resolve(files, MODEL_NAME="m", MAX_MODEL_LEN="", DTYPE="  ").engine_args
     assert args.max_model_len is None and args.dtype == "auto"
+
+
+def test_a_blank_config_file_path_means_the_default_path(files):
+    assert config_file({"VLLM_CONFIG_FILE": "  "}) == config_file({}) == Path("/vllm_config.yaml")
+    assert config_file({"VLLM_CONFIG_FILE": f" {files.config} "}) == files.config
 
 
 def test_frontend_flags_and_aliases(files):

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.config.env_text import parse_bool
+from worker.env_text import parse_bool
 from worker.vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
 
 __all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",

@@ -38,7 +38,7 @@ import yaml
 from worker.model import baked_args
 from worker.config import settings
 from worker.config.arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
-from worker.config.env_text import env_value
+from worker.env_text import env_value
 from worker.wire.errors import ConfigError
 from worker.config.legacy_env import LEGACY_ENV, merge_rope
 from worker.config.legacy_env import translate as legacy_texts

@@ -34,7 +34,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.model import baked_args
-from worker.config.env_text import env_value
+from worker.env_text import env_value
 from worker.wire.errors import ConfigError
 from worker.model.preflight import ModelRequest, RepoRequest
 
@@ -103,8 +103,8 @@ class WorkerSettings(BaseModel):
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
     """WorkerSettings from ``env`` (default ``os.environ``); empty values mean "not set"."""
     env = os.environ if env is None else env
-    given = {name: env[name].strip() for name in WorkerSettings.env_names()
-             if env.get(name, "").strip()}
+    given = {name: value for name in WorkerSettings.env_names()
+             if (value := env_value(name, env)) is not None}
     try:
         return WorkerSettings.model_validate(given)
     except ValidationError as exc:
@@ -129,10 +129,10 @@ VOLUME_CACHE_DIR = "vllm-cache"  # under BASE_PATH
 def volume_cache_dir(settings: WorkerSettings, env: Mapping[str, str]) -> Path | None:
     """The compile cache's folder on the network volume, when one is mounted at BASE_PATH and
     neither VLLM_CACHE_ROOT (the user's own cache root) nor COMPILE_CACHE_ON_VOLUME=false says no."""
-    volume = Path(env.get("BASE_PATH", "").strip() or DEFAULT_BASE_PATH)
+    volume = Path(env_value("BASE_PATH", env) or DEFAULT_BASE_PATH)
     if not settings.compile_cache_on_volume:
         reason = "COMPILE_CACHE_ON_VOLUME=false"
-    elif env.get("VLLM_CACHE_ROOT", "").strip():
+    elif env_value("VLLM_CACHE_ROOT", env) is not None:
         reason = "VLLM_CACHE_ROOT is set"
     elif not (volume.is_dir() and os.access(volume, os.W_OK)):
         reason = f"no writable network volume at {volume} (BASE_PATH)"
@@ -176,7 +176,7 @@ def load_config(env: Mapping[str, str] | None = None,
         problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))
-    if env.get("VLLM_API_KEY"):
+    if env_value("VLLM_API_KEY", env) is not None:
         log.warning("VLLM_API_KEY is ignored: RunPod authenticates callers, and jobs reach vLLM's "
                     "routes in-process, without a bearer token")
     log.info("Engine config: %s", args.summary())
@@ -188,17 +188,17 @@ def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
     """STARTUP_FAILURE_ANSWER_SECONDS alone, read before (and whatever) the rest of the
     configuration fails; its own bad value is reported with the rest and the default used."""
     env = os.environ if env is None else env
+    value = env_value(FAILURE_ANSWER_ENV, env)
     try:
         return WorkerSettings.model_validate(
-            {FAILURE_ANSWER_ENV: env_value(FAILURE_ANSWER_ENV, env)} if env_value(FAILURE_ANSWER_ENV, env)
-            else {}).startup_failure_answer_seconds
+            {} if value is None else {FAILURE_ANSWER_ENV: value}).startup_failure_answer_seconds
     except ValidationError:
         return DEFAULT_FAILURE_ANSWER_SECONDS
 
 
 def config_file(env: Mapping[str, str]) -> Path:
     """The YAML config file's path: VLLM_CONFIG_FILE, else ``/vllm_config.yaml``."""
-    return Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
+    return Path(env_value("VLLM_CONFIG_FILE", env) or "/vllm_config.yaml")
 
 
 def _config_file_keys(env: Mapping[str, str]) -> dict[str, str]:

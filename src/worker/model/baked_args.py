@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.env_text import env_value
+
 if TYPE_CHECKING:
     from worker.config.arg_parser import EnvParser, Setting
 
@@ -25,7 +27,7 @@ BAKED_SOURCE_KEYS = {"model": "BAKED_MODEL_NAME", "tokenizer": "BAKED_TOKENIZER_
 
 
 def args_file(env: Mapping[str, str]) -> Path:
-    return Path(env.get(ARGS_FILE_ENV, "").strip() or DEFAULT_ARGS_FILE)
+    return Path(env_value(ARGS_FILE_ENV, env) or DEFAULT_ARGS_FILE)
 
 
 def write(path: Path, model: str, local_model: Path, tokenizer: tuple[str, Path] | None = None,

@@ -1,4 +1,5 @@
-"""How the worker reads one environment value: empty means unset; booleans in the usual spellings."""
+"""How the worker reads one environment value: blank means unset; booleans in the usual spellings.
+Plain: no vLLM; the bake step runs it too."""
 
 from __future__ import annotations
 
