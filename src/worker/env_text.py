@@ -1,14 +1,18 @@
-"""How the worker reads one environment value: blank means unset; booleans in the usual spellings.
-Plain: no vLLM; the bake step runs it too."""
+"""How the worker reads one environment value: blank means unset, and booleans in pydantic's
+spellings (those ``WorkerSettings`` reads its own with), for every variable. Plain: no vLLM; the
+bake step runs it too."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["env_value", "parse_bool"]
+from pydantic import TypeAdapter, ValidationError
 
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
+__all__ = ["BOOL_SPELLINGS", "env_value", "parse_bool"]
+
+# What pydantic reads as a boolean, in any case: listed for the error message (pydantic decides).
+BOOL_SPELLINGS = "true/false, 1/0, yes/no, on/off, t/f, y/n"
+_BOOL = TypeAdapter(bool)
 
 
 def env_value(name: str, env: Mapping[str, str]) -> str | None:
@@ -18,7 +22,7 @@ def env_value(name: str, env: Mapping[str, str]) -> str | None:
 
 
 def parse_bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in _TRUE | _FALSE:
-        return lowered in _TRUE
-    raise ValueError("not a boolean (true/false, 1/0, yes/no, on/off)")
+    try:
+        return _BOOL.validate_python(value.strip())
+    except ValidationError:
+        raise ValueError(f"not a boolean ({BOOL_SPELLINGS})") from None
