@@ -31,7 +31,7 @@ from worker.routes.asgi_client import Response, request
 from worker.jobs.batching import Batches, BatchSize, job_batch_size
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
-from worker.wire.errors import ErrorPayload, anthropic_error, create_error_response, error_response
+from worker.wire.errors import ErrorPayload, error_response
 from worker.routes.forms import form_body
 from worker.jobs.job_input import JobInput
 from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
@@ -80,11 +80,9 @@ def _error_item(status: int, content: Any, route: Route) -> Any:
         if isinstance(error, dict):
             error = {**error, "message": message}
             content = {**content, "error": error}
-    if route.anthropic:
-        return anthropic_error(status, message)
-    if isinstance(error, dict) and "type" in error:
+    if isinstance(error, dict) and "type" in error and not route.anthropic:
         return ErrorPayload(content)  # vLLM's own error body, as it is
-    return create_error_response(message, status_code=HTTPStatus(status))
+    return error_response(status, message, anthropic=route.anthropic)
 
 
 async def _event_batches(response: Response, size: BatchSize,

@@ -74,11 +74,18 @@ class ErrorPayload(JsonDict):
         self["error"] = JsonDict(self["error"])
 
 
+def error_item(error: dict, *, anthropic: bool = False) -> ErrorPayload:
+    """An error object in its dialect's envelope: Anthropic's ``{"type": "error", "error": ...}``,
+    else OpenAI's ``{"error": ...}``."""
+    return ErrorPayload(type="error", error=error) if anthropic else ErrorPayload(error=error)
+
+
 def create_error_response(message: str, err_type: str | None = None,
-                          status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                          status_code: int = HTTPStatus.BAD_REQUEST,
                           param: str | None = None) -> ErrorPayload:
-    """The error item a job yields (name kept from worker-vllm's ``utils``)."""
-    return ErrorPayload(error={
+    """OpenAI's error item, ``{"error": {"message", "type", "param", "code"}}`` (name kept from
+    worker-vllm's ``utils``)."""
+    return error_item({
         "message": message,
         "type": err_type or openai_type(status_code),
         "param": param,
@@ -88,10 +95,10 @@ def create_error_response(message: str, err_type: str | None = None,
 
 def anthropic_error(status: int, message: str) -> ErrorPayload:
     """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``."""
-    return ErrorPayload(type="error", error={"type": anthropic_type(status), "message": message})
+    return error_item({"type": anthropic_type(status), "message": message}, anthropic=True)
 
 
-def error_response(status: HTTPStatus, message: str, *, param: str | None = None,
+def error_response(status: int, message: str, *, param: str | None = None,
                    anthropic: bool = False) -> ErrorPayload:
     """An error item in the job's dialect: Anthropic's on ``/v1/messages``, else OpenAI's."""
     if anthropic:
