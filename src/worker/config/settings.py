@@ -1,23 +1,34 @@
-"""The settings layer: the only place (with ``engine_args``) that reads the environment.
+"""The settings layer: with ``config/engine_args``, where the worker reads its configuration from
+the environment (each value through ``env_text.env_value``: blank means unset).
 
 ``load_config(env)`` reads everything once, at start-up, before the model loads:
 
 - ``WorkerSettings``: the worker's own knobs (concurrency, stream batching, OpenAI output mode),
   typed and validated by pydantic;
-- ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``engine_args``).
+- ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``config/engine_args``, which
+  reads worker-vllm's old names through ``config/legacy_env`` and the baked-args file through
+  ``model/baked_args``).
 
 Two readers run before vLLM is imported (this module imports it only in ``load_config``):
-``model_request(env)``, the hub repos to check and download (``preflight``), and
+``model_request(env)``, the hub repos to check and download (``model/preflight``), and
 ``failure_answer_seconds(env)``, how long a worker that could not start answers jobs.
 
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
 
-Four places touch the environment on purpose, outside this layer: ``handler`` reads LOG_LEVEL
-(logging must work before the configuration can fail), ``download_model`` reads the Dockerfile's
-build args (at build time, without vLLM), ``vllm_adapter._cpu_compile_cache`` sets two
-variables for the engine's process, which inherits them (keeping a user's own values), and
-``startup`` sets the file where vLLM's processes note why they failed (ENGINE_FAILURE_FILE_ENV).
+Outside this layer the environment is touched on purpose in these places only:
+
+- ``handler``: reads LOG_LEVEL (logging must work before the configuration can fail), and loads
+  ``./.env`` into the environment (``load_dotenv``, for local development; never overriding);
+- ``model/download_model``: reads the Dockerfile's build args (at build time, without vLLM);
+- ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``), the file where
+  vLLM's processes note why they failed, which ``vllm_adapter`` reads (``_note_failure`` in each
+  engine process, ``engine_failure`` in the worker's);
+- ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
+  the engine's processes, which inherit them, unless the user set them (``_users_own``).
+
+vLLM, torch and huggingface_hub read their own variables (VLLM_*, TORCH*, HF_*) as they do for
+``vllm serve``.
 """
 
 from __future__ import annotations

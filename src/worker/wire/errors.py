@@ -2,12 +2,15 @@
 
 Exception tree::
 
-    WorkerError                      anything the worker raises on purpose
+    WorkerError                      what the worker raises on purpose for a start or a job to fail
     ├── StartupError                 the worker cannot start: every job is answered with it
     │   └── ConfigError              bad configuration, found before the model loads
     └── RequestError                 a job that cannot be served; the worker keeps serving
         └── (status 400 unless set)  e.g. a bad field in the job input
 
+Two deliberate exceptions stay outside it, as neither reaches a caller as it is:
+``jobs/deadlines.DeadlinePassed``, which the handler turns into a 408 or 503 error item, and
+``model/download_model.BakeError``, the image's bake step's (build time, with only its own files).
 Other exceptions (vLLM's) are classified by type, never by message, in the adapter
 (``vllm_adapter.error_status``, ``vllm_adapter.is_fatal``): this module imports no vLLM, so the
 modules that raise the worker's errors do not pull in vLLM and torch.
