@@ -159,7 +159,7 @@ def _concurrency(settings: WorkerSettings, jobs: Concurrency, resizes_busy: bool
 
 
 # Imported beside the engine's start (main()): the runpod SDK (about 1.5 s) and our serving modules.
-SERVING_MODULES = ("runpod", "job_loop", "openai_engine")
+SERVING_MODULES = ("runpod", "worker.scheduling.job_loop", "worker.routes.serving")
 
 
 def _import_serving() -> None:
