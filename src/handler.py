@@ -1,16 +1,18 @@
 """RunPod entry point: ``python src/handler.py``.
 
-Accepted job inputs (``job["input"]``):
+Accepted job inputs (``job["input"]``, read by ``jobs/job_input``):
 
-- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template",
-          "max_batch_size", "min_batch_size", "batch_size_growth_factor"}``
-- OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>}``
+- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template"}``
+- OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>, "method"}`` (or
+          worker-vllm 2.24's ``route`` and ``body``)
+- both:   ``"timeout"``, and the stream batching knobs ``"max_batch_size", "min_batch_size",
+          "batch_size_growth_factor"``
 
 Start-up (main process only; vLLM's spawned workers re-import this file as ``__mp_main__``):
-check and fetch the model, read and validate all configuration, build the engine (``startup``),
-then hand ``handler`` to ``runpod.serverless.start``, so jobs are taken only once the engine is
-ready. A start that fails answers every job with the cause for a while, then exits: status 2 when
-settings must change, 1 otherwise (``failed_start``).
+check and fetch the model, read and validate all configuration, build the engine
+(``startup/steps``), then hand ``handler`` to ``runpod.serverless.start``, so jobs are taken only
+once the engine is ready. A start that fails answers every job with the cause for a while, then
+exits: status 2 when settings must change, 1 otherwise (``startup/failed_start``).
 
 A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
 engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
@@ -192,7 +194,7 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
 
 
 def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str]:
-    """Everything start-up does before jobs are taken (``startup``'s steps); sets the engines."""
+    """Everything start-up does before jobs are taken (``startup/steps``); sets the engines."""
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
     from worker.startup.steps import fetch_model, start_engine as start_with_retry

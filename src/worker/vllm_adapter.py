@@ -295,7 +295,7 @@ def engine_failure() -> dict | None:
 
 
 # Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends
-# on (compile_cache.py): torch.compile's graphs and kernels (Inductor's and Triton's caches are
+# on (engine/compile_cache): torch.compile's graphs and kernels (Inductor's and Triton's caches are
 # redirected into them; on the CPU, Inductor's cache is an entry itself: _cpu_compile_cache),
 # AOT-compiled functions, the memory-profiling plan
 # (VLLM_ENABLE_STARTUP_PLAN) and the model registry's inspection results.
@@ -335,7 +335,7 @@ def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
     bare function that vLLM (0.32, 0.33) fails to load ("'function' object has no attribute
     'finalize_loading'") and compiles again on every start. Without AOT, Inductor's own cache makes
     a warm start fast, but it lives in ``/tmp/torchinductor_<user>``: it is moved into an entry
-    named by the configuration's hash, which compile_cache.py then mirrors like vLLM's own. The
+    named by the configuration's hash, which engine/compile_cache then mirrors like vLLM's own. The
     engine's process inherits both variables; a user's own value of either is kept."""
     if not (current_platform.is_cpu() and compiles(vllm_config)) or vllm.envs.VLLM_DISABLE_COMPILE_CACHE:
         return

@@ -72,7 +72,7 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    # Jobs held at once: adaptive (concurrency.py) between these; no maximum means vLLM's max_num_seqs.
+    # Jobs held at once: adaptive (scheduling/concurrency) between these; no maximum: vLLM's max_num_seqs.
     max_concurrency: int | None = Field(None, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
     min_concurrency: int = Field(1, ge=1, validation_alias=_env("MIN_CONCURRENCY"))
     max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
@@ -91,7 +91,7 @@ class WorkerSettings(BaseModel):
                                          validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
     # "worker": job_loop.JobLoop, which starts a taken job at once; "sdk": the runpod SDK's own.
     job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
-    # Keep vLLM's compile cache on the network volume, when one is mounted (compile_cache.py).
+    # Keep vLLM's compile cache on the network volume, when one is mounted (engine/compile_cache).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
     # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
     startup_failure_answer_seconds: float = Field(

@@ -1,4 +1,5 @@
-"""``vLLMEngine``: vLLM's AsyncLLM on its own event loop, and the raw job path.
+"""``vLLMEngine``: vLLM's AsyncLLM on its own event loop, and the raw job path; ``FromParts``, the
+constructor pattern it shares with ``routes/serving.OpenAIvLLMEngine``.
 
 Raw output (worker-vllm's format), one item per stream batch, or one item when not streaming::
 

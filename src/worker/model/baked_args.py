@@ -1,9 +1,9 @@
-"""The baked-args file: what ``download_model.py`` writes when a model is baked into the image, and
-the worker's configuration layer built from it.
+"""The baked-args file: what ``model/download_model`` writes when a model is baked into the image,
+and the worker's configuration layer built from it.
 
 The file is a JSON object of env-style names: the local snapshot paths as ``MODEL_NAME`` /
 ``TOKENIZER_NAME``, the repos they came from as ``BAKED_MODEL_NAME`` / ``BAKED_TOKENIZER_NAME``,
-and ``QUANTIZATION``. Plain (no vLLM): the image's build stage runs ``download_model.py`` alone.
+and ``QUANTIZATION``. Plain (no vLLM): the image's bake step runs it with only its own files.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Reads the Dockerfile's build args from the environment:
 
-- ``MODEL_NAME``: the repo to bake; when empty, nothing is baked and the script succeeds;
+- ``MODEL_NAME``: the repo to bake; when unset or blank, nothing is baked and the script succeeds;
 - ``MODEL_REVISION``: its branch, tag or commit (default: main);
 - ``TOKENIZER_NAME`` / ``TOKENIZER_REVISION``: a tokenizer from another repo or revision, baked too;
 - ``QUANTIZATION``: recorded for the worker, which loads the model with it.
@@ -11,7 +11,7 @@ From each repo it downloads the config and tokenizer files and exactly one weigh
 ``*.safetensors``, else ``*.bin``, else ``*.pt``; no training state), with progress bars, into
 ``BAKED_MODELS_DIR`` (default ``/models``; not under ``BASE_PATH``, where a network volume is
 mounted at run time and would hide it). Then it writes ``LOCAL_MODEL_ARGS_FILE`` (default
-``/local_model_args.json``), the file the worker's config layer reads (``baked_args.py``: the local
+``/local_model_args.json``), the file the worker's config layer reads (``model/baked_args``: the local
 snapshot paths, the repos they came from, and ``QUANTIZATION``). Revisions are not written: a
 snapshot path is one revision already, and a revision there would also apply to any other model
 named at run time.

@@ -18,7 +18,7 @@ modules that raise the worker's errors do not pull in vLLM and torch.
 A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape, or Anthropic's on
 ``/v1/messages``). The runpod SDK fails the job with ``str()`` of the inner ``error`` value as its
 error text, so that value is a ``JsonDict`` whose ``str()`` is JSON: RunPod clients get a
-parseable error, in-process callers plain dicts.
+parseable error, in-process callers plain dicts. The local endpoint builds its error bodies here too.
 """
 
 from __future__ import annotations
