@@ -47,7 +47,7 @@ ARG TOKENIZER_NAME="" TOKENIZER_REVISION=""
 ARG HF_ENDPOINT=https://huggingface.co
 # Only what the bake step imports, so that a change to other code does not bake again.
 COPY src/download_model.py /src/
-COPY src/worker/__init__.py /src/worker/
+COPY src/worker/__init__.py src/worker/env_text.py /src/worker/
 COPY src/worker/model/__init__.py src/worker/model/baked_args.py src/worker/model/download_model.py \
      /src/worker/model/
 RUN --mount=type=secret,id=HF_TOKEN \

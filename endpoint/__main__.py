@@ -31,6 +31,8 @@ from pathlib import Path
 
 from aiohttp import web
 
+from worker.env_text import env_value
+
 from .app import EndpointConfig, create_app
 from .container import ContainerLauncher
 from .jobs import JobStore
@@ -61,7 +63,7 @@ def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, 
         "RUNPOD_SKIP_GPU_CHECK": "true",
         "PYTHONUNBUFFERED": "1",  # worker logs appear as they happen
         # The SDK logs every job's input and output at DEBUG, its default.
-        "RUNPOD_DEBUG_LEVEL": os.environ.get("RUNPOD_DEBUG_LEVEL", "INFO"),
+        "RUNPOD_DEBUG_LEVEL": env_value("RUNPOD_DEBUG_LEVEL", os.environ) or "INFO",
     }
 
 
@@ -268,7 +270,7 @@ def main() -> None:
     parser.add_argument("--execution-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="stop a job in progress longer than this, as RunPod's endpoint setting "
                              "(default: 600, RunPod's default; 0: no limit)")
-    parser.add_argument("--api-key", default=os.environ.get("ENDPOINT_API_KEY"),
+    parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     asyncio.run(serve(parser.parse_args()))
 

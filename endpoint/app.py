@@ -23,7 +23,8 @@ from typing import Any
 from aiohttp import web
 
 from worker.wire.body_envelope import Envelope
-from worker.wire.dialects import anthropic_status, anthropic_type, is_anthropic_route, openai_type
+from worker.wire.dialects import anthropic_status, is_anthropic_route
+from worker.wire.errors import error_item, error_response
 from worker.wire.sse import frame
 
 from .jobs import Job, JobStore, Status
@@ -49,19 +50,13 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _error_body(status: int, message: str, anthropic: bool) -> dict[str, Any]:
-    if anthropic:
-        return {"type": "error", "error": {"type": anthropic_type(status), "message": message}}
-    return {"error": {"message": message, "type": openai_type(status), "param": None, "code": status}}
-
-
 def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
-    return web.json_response(_error_body(status, message, anthropic), status=status)
+    return web.json_response(error_response(status, message, anthropic=anthropic), status=status)
 
 
 def _error_event(status: int, message: str, anthropic: bool) -> str:
     """An error inside a started stream, as vLLM sends it (Anthropic's SDK reads ``event: error``)."""
-    return ("event: error\n" if anthropic else "") + frame(_error_body(status, message, anthropic))
+    return ("event: error\n" if anthropic else "") + frame(error_response(status, message, anthropic=anthropic))
 
 
 def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
@@ -77,10 +72,8 @@ def _failed_job_response(job: Job, anthropic: bool) -> web.Response:
         error = None
     if not isinstance(error, dict) or "message" not in error:
         return _openai_error(500, str(job.error), anthropic)
-    if anthropic:
-        return web.json_response({"type": "error", "error": error},
-                                 status=anthropic_status(error.get("type")))
-    return web.json_response({"error": error}, status=int(error.get("code") or 500))
+    status = anthropic_status(error.get("type")) if anthropic else int(error.get("code") or 500)
+    return web.json_response(error_item(error, anthropic=anthropic), status=status)
 
 
 def _unanswered(job: Job, anthropic: bool) -> web.Response:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 import time
 import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from worker.wire.errors import create_error_response
 
 __all__ = ["FINAL", "Job", "JobStore", "Status", "Worker"]
 
@@ -255,8 +256,7 @@ class JobStore:
         self.stops.pop(worker, None)
         for job in self.jobs.values():
             if job.worker == worker and job.status is Status.IN_PROGRESS:
-                job.error = json.dumps({"message": f"worker {worker} exited", "type": "WorkerLost",
-                                        "param": None, "code": 500})
+                job.error = str(create_error_response(f"worker {worker} exited", "WorkerLost", 500)["error"])
                 self._end(job, Status.FAILED)
         await self._notify()
 

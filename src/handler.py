@@ -1,16 +1,18 @@
 """RunPod entry point: ``python src/handler.py``.
 
-Accepted job inputs (``job["input"]``):
+Accepted job inputs (``job["input"]``, read by ``jobs/job_input``):
 
-- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template",
-          "max_batch_size", "min_batch_size", "batch_size_growth_factor"}``
-- OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>}``
+- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template"}``
+- OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>, "method"}`` (or
+          worker-vllm 2.24's ``route`` and ``body``)
+- both:   ``"timeout"``, and the stream batching knobs ``"max_batch_size", "min_batch_size",
+          "batch_size_growth_factor"``
 
 Start-up (main process only; vLLM's spawned workers re-import this file as ``__mp_main__``):
-check and fetch the model, read and validate all configuration, build the engine (``startup``),
-then hand ``handler`` to ``runpod.serverless.start``, so jobs are taken only once the engine is
-ready. A start that fails answers every job with the cause for a while, then exits: status 2 when
-settings must change, 1 otherwise (``failed_start``).
+check and fetch the model, read and validate all configuration, build the engine
+(``startup/steps``), then hand ``handler`` to ``runpod.serverless.start``, so jobs are taken only
+once the engine is ready. A start that fails answers every job with the cause for a while, then
+exits: status 2 when settings must change, 1 otherwise (``startup/failed_start``).
 
 A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
 engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
@@ -31,6 +33,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from worker.env_text import env_value
 from worker.jobs.deadlines import DeadlinePassed, Deadlines
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
@@ -136,7 +139,7 @@ def _asks_anthropic(job: dict[str, Any]) -> bool:
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
+    logging.basicConfig(level=(env_value("LOG_LEVEL", os.environ) or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
@@ -158,7 +161,7 @@ def _concurrency(settings: WorkerSettings, jobs: Concurrency, resizes_busy: bool
 
 
 # Imported beside the engine's start (main()): the runpod SDK (about 1.5 s) and our serving modules.
-SERVING_MODULES = ("runpod", "job_loop", "openai_engine")
+SERVING_MODULES = ("runpod", "worker.scheduling.job_loop", "worker.routes.serving")
 
 
 def _import_serving() -> None:
@@ -191,7 +194,7 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
 
 
 def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str]:
-    """Everything start-up does before jobs are taken (``startup``'s steps); sets the engines."""
+    """Everything start-up does before jobs are taken (``startup/steps``); sets the engines."""
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
     from worker.startup.steps import fetch_model, start_engine as start_with_retry

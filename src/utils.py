@@ -1,4 +1,4 @@
-"""Names worker-vllm's documentation imports from ``utils``; the code lives in its own modules."""
+"""worker-vllm's public import path for the names its documentation imports from ``utils``; kept for them."""
 
 from worker.jobs.batching import BatchSize
 from worker.wire.errors import create_error_response

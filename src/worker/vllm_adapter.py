@@ -61,6 +61,8 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
 from vllm.v1.metrics.stats import IterationStats
 
+from worker.env_text import env_value
+
 __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
@@ -272,7 +274,7 @@ _KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_
 def _note_failure(exc: BaseException) -> None:
     """Write ``exc`` to ENGINE_FAILURE_FILE_ENV's file (read now: each start attempt has its own),
     unless a process noted a failure there first."""
-    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     if not path:
         return
     frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
@@ -311,7 +313,7 @@ def note_engine_failures(*, in_engine_process: bool) -> None:
 
 def engine_failure() -> dict | None:
     """What an engine process noted: ``type``, ``message``, ``out_of_memory``, ``kv_cache_too_small``."""
-    path = os.environ.get(ENGINE_FAILURE_FILE_ENV)
+    path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     try:
         return json.loads(Path(path).read_text()) if path else None
     except (OSError, ValueError):
@@ -319,7 +321,7 @@ def engine_failure() -> dict | None:
 
 
 # Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends
-# on (compile_cache.py): torch.compile's graphs and kernels (Inductor's and Triton's caches are
+# on (engine/compile_cache): torch.compile's graphs and kernels (Inductor's and Triton's caches are
 # redirected into them; on the CPU, Inductor's cache is an entry itself: _cpu_compile_cache),
 # AOT-compiled functions, the memory-profiling plan
 # (VLLM_ENABLE_STARTUP_PLAN) and the model registry's inspection results.
@@ -346,7 +348,7 @@ def _users_own(name: str) -> bool:
     ``<temp dir>/torchinductor_<user>``, when first asked (importing vLLM does), and a parent
     process that imported torch (a supervisor, a test run) passes its own on, under its own temp
     dir: neither is anybody's choice."""
-    value = os.environ.get(name)
+    value = env_value(name, os.environ)
     if value is None or value == _SET_HERE.get(name):
         return False
     return not (name == "TORCHINDUCTOR_CACHE_DIR" and Path(value).name == Path(default_cache_dir()).name)
@@ -359,7 +361,7 @@ def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
     bare function that vLLM (0.32, 0.33) fails to load ("'function' object has no attribute
     'finalize_loading'") and compiles again on every start. Without AOT, Inductor's own cache makes
     a warm start fast, but it lives in ``/tmp/torchinductor_<user>``: it is moved into an entry
-    named by the configuration's hash, which compile_cache.py then mirrors like vLLM's own. The
+    named by the configuration's hash, which engine/compile_cache then mirrors like vLLM's own. The
     engine's process inherits both variables; a user's own value of either is kept."""
     if not (current_platform.is_cpu() and compiles(vllm_config)) or vllm.envs.VLLM_DISABLE_COMPILE_CACHE:
         return

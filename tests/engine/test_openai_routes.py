@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+import sse_events
 from conftest import cosine
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
@@ -14,7 +15,6 @@ from openai.types.completion import Completion
 from worker.config.settings import load_config
 from worker.jobs.batching import BatchSize
 from worker.jobs.job_input import JobInput
-from worker.wire import sse
 from worker.routes.serving import OpenAIvLLMEngine
 
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,7 +26,7 @@ def model_of(engine: OpenAIvLLMEngine) -> str:
 
 def chunks(items: list[str]) -> list[dict]:
     """Parsed chunks of a raw-mode stream; the stream must end with [DONE]."""
-    events = sse.parse("".join(items))
+    events = sse_events.parse("".join(items))
     assert events[-1] == (None, "[DONE]")
     return [json.loads(data) for _, data in events[:-1]]
 
@@ -59,7 +59,7 @@ def test_messages_answer_paris(smol_openai, run_openai):
 def test_messages_stream_answers_paris(smol_openai, run_openai):
     body = {"model": model_of(smol_openai), "messages": CAPITAL, "max_tokens": 30, "temperature": 0,
             "stream": True}
-    events = sse.parse("".join(run_openai(smol_openai, "/v1/messages", body)))
+    events = sse_events.parse("".join(run_openai(smol_openai, "/v1/messages", body)))
     names = [name for name, _ in events]
     assert names[0] == "message_start" and names[-1] == "message_stop"
     text = "".join(json.loads(d)["delta"].get("text", "") for n, d in events if n == "content_block_delta")
@@ -179,7 +179,7 @@ def test_responses_route(tiny_openai, run_openai):
     body = {"model": model_of(tiny_openai), "input": "Hello", "max_output_tokens": 8, "temperature": 0}
     (item,) = run_openai(tiny_openai, "/v1/responses", body)
     assert item["object"] == "response" and item["status"] in ("completed", "incomplete")
-    events = sse.parse("".join(run_openai(tiny_openai, "/v1/responses", {**body, "stream": True})))
+    events = sse_events.parse("".join(run_openai(tiny_openai, "/v1/responses", {**body, "stream": True})))
     names = [name for name, _ in events]
     assert names[0] == "response.created" and names[-1] == "response.completed"
     assert all(json.loads(data)["type"] == name for name, data in events)
@@ -198,7 +198,7 @@ def test_tokenize_and_detokenize(tiny_openai, run_openai, route):
 # --- stream batching and output modes -------------------------------------------------------
 
 def events_per_item(items: list[str]) -> list[int]:
-    return [len(sse.parse(item)) for item in items]
+    return [len(sse_events.parse(item)) for item in items]
 
 
 def long_stream(engine, **extra):
@@ -218,7 +218,7 @@ def schedule(size: BatchSize, total: int) -> list[int]:
 def assert_stream_schedule(items: list[str], size: BatchSize) -> None:
     sizes = events_per_item(items)
     # One event per engine output (40 tokens, fewer events when vLLM merged two steps) + [DONE].
-    assert 30 <= sum(sizes) <= 41 and sse.parse(items[-1])[-1] == (None, "[DONE]")
+    assert 30 <= sum(sizes) <= 41 and sse_events.parse(items[-1])[-1] == (None, "[DONE]")
     assert sizes == schedule(size, sum(sizes))
 
 
@@ -278,9 +278,9 @@ def test_the_first_stream_batch_carries_the_first_token(tiny_openai, run_openai,
     if route != "/v1/messages":
         body["ignore_eos"] = True
     items = run_openai(tiny_openai, route, body)
-    first = sse.parse(items[0])
+    first = sse_events.parse(items[0])
     assert any(carries_output(name, data) for name, data in first), first
-    assert len(items) > 3 and len(sse.parse(items[1])) == 3  # then the schedule: 3, 9, ...
+    assert len(items) > 3 and len(sse_events.parse(items[1])) == 3  # then the schedule: 3, 9, ...
 
 
 def test_raw_output_on_is_vllms_sse_text(tiny_openai, run_openai):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import sse_events
 
 from worker.wire import sse
 from worker.config.engine_args import resolve_args
@@ -71,7 +72,8 @@ def normalize(value):
 
 
 def parse_sse(text: str) -> list[tuple[str | None, object]]:
-    return [(name, data if data == sse.DONE else normalize(json.loads(data))) for name, data in sse.parse(text)]
+    return [(name, data if data == sse.DONE else normalize(json.loads(data)))
+            for name, data in sse_events.parse(text)]
 
 
 def _text_delta(data) -> tuple[tuple, str, object] | None:
@@ -110,5 +112,5 @@ def canonical_stream(events) -> tuple[list, dict]:
 
 def created_id(sse_text: str) -> str:
     """The response id in a Responses API stream's ``response.created`` event."""
-    (created,) = [json.loads(data) for name, data in sse.parse(sse_text) if name == "response.created"]
+    (created,) = [json.loads(data) for name, data in sse_events.parse(sse_text) if name == "response.created"]
     return created["response"]["id"]

@@ -7,12 +7,12 @@ import json
 import anthropic
 import openai
 import pytest
+import sse_events
 from aiohttp.test_utils import TestClient, TestServer
 from endpoint.app import EndpointConfig, create_app
 from endpoint.jobs import JobStore
 
 import handler
-from worker.wire import sse
 from worker.wire.body_envelope import Envelope
 from worker.jobs.deadlines import DeadlinePassed
 from worker.wire.dialects import is_anthropic_route
@@ -285,7 +285,7 @@ def test_a_started_stream_past_the_execution_timeout_ends_with_an_error_event(ro
 
     status, text = with_client(scenario, execution_timeout=0.2)
     assert status == 200 and text.startswith(first)
-    (name, data), = sse.parse(text[len(first):])
+    (name, data), = sse_events.parse(text[len(first):])
     if is_anthropic_route(route):  # Anthropic's SDK raises on ``event: error``
         assert name == "error" and json.loads(data)["error"]["type"] == "api_error"
     else:

@@ -122,7 +122,8 @@ def test_a_lost_worker_fails_its_jobs_and_leaves_the_health_count():
                                 "throttled": 0}
     assert after["local"]["w"]["state"] == "restarting" and after["local"]["w"]["lastExitStatus"] == 2
     assert 0 < after["local"]["w"]["restartIn"] <= 5 and late == []
-    assert job.status is Status.FAILED and "exited" in job.error
+    assert job.status is Status.FAILED
+    assert job.error == '{"message": "worker w exited", "type": "WorkerLost", "param": null, "code": 500}'
 
 
 def test_a_revived_worker_takes_jobs_again_and_its_dead_process_is_not_heard():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from pathlib import Path
 
 import pytest
 from vllm.reasoning import ReasoningParserManager
@@ -12,7 +14,8 @@ from vllm.tool_parsers import ToolParserManager
 from worker.config.arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
 from worker.wire.errors import ConfigError
-from worker.config.settings import load_config, load_settings
+from worker.config.settings import config_file, load_config, load_settings
+from worker.env_text import BOOL_SPELLINGS, parse_bool
 from worker.vllm_adapter import frontend_arg_dests
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
@@ -132,6 +135,35 @@ def test_booleans(files, text, expected):
     assert args.enforce_eager is expected and args.trust_remote_code is expected
 
 
+def _read_boolean(read):
+    try:
+        return read()
+    except (ConfigError, ValueError):
+        return "rejected"
+
+
+# Every boolean reads pydantic's spellings, in any case and with blanks around; nothing else.
+@pytest.mark.parametrize(("text", "expected"), [
+    *[(text, True) for text in ("true", "True", "1", "yes", "YES", "on", "t", "T", "y", " yes ")],
+    *[(text, False) for text in ("false", "0", "No", "off", "f", "F", "n")],
+    *[(text, "rejected") for text in ("maybe", "2", "yess", "tru", "0.0", "+1", "none", "enabled")],
+])
+def test_engine_legacy_and_worker_booleans_read_the_same_spellings(files, text, expected):
+    engine = _read_boolean(lambda: resolve(files, MODEL_NAME="m", ENFORCE_EAGER=text).engine_args.enforce_eager)
+    legacy = _read_boolean(  # DISABLE_LOG_REQUESTS is ENABLE_LOG_REQUESTS negated
+        lambda: not resolve(files, MODEL_NAME="m", DISABLE_LOG_REQUESTS=text).namespace.enable_log_requests)
+    worker = _read_boolean(lambda: load_settings({"RAW_OPENAI_OUTPUT": text}).raw_openai_output)
+    assert engine == legacy == worker == expected
+
+
+def test_a_rejected_boolean_lists_the_accepted_spellings(files):
+    with pytest.raises(ConfigError) as raised:
+        resolve(files, MODEL_NAME="m", ENFORCE_EAGER="maybe")
+    assert f"not a boolean ({BOOL_SPELLINGS}); expected a boolean" in str(raised.value)
+    for spelling in re.split(r"[,/] ?", BOOL_SPELLINGS):
+        assert parse_bool(spelling) is (spelling in ("true", "1", "yes", "on", "t", "y")), spelling
+
+
 def test_store_true_flag(files):
     assert resolve(files, MODEL_NAME="m", DISABLE_LOG_STATS="true").engine_args.disable_log_stats
     assert not resolve(files, MODEL_NAME="m", DISABLE_LOG_STATS="0").engine_args.disable_log_stats
@@ -168,6 +200,11 @@ def test_choices_and_optional(files):
 def test_empty_value_means_unset(files):
     args = resolve(files, MODEL_NAME="m", MAX_MODEL_LEN="", DTYPE="  ").engine_args
     assert args.max_model_len is None and args.dtype == "auto"
+
+
+def test_a_blank_config_file_path_means_the_default_path(files):
+    assert config_file({"VLLM_CONFIG_FILE": "  "}) == config_file({}) == Path("/vllm_config.yaml")
+    assert config_file({"VLLM_CONFIG_FILE": f" {files.config} "}) == files.config
 
 
 def test_frontend_flags_and_aliases(files):

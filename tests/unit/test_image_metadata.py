@@ -14,6 +14,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -43,16 +44,20 @@ BUILD_ARGS = {"MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVIS
 WORKER_SETTINGS = {f.validation_alias.choices[0]: f for f in WorkerSettings.model_fields.values()}
 
 
-def _handler_log_level() -> str:
-    found = re.search(r'environ\.get\("LOG_LEVEL", "(\w+)"\)', (REPO / "src" / "handler.py").read_text())
-    assert found, "handler.py no longer reads LOG_LEVEL with a default: update READ_ELSEWHERE"
-    return found[1]
+def handler_log_level(value: str | None) -> str:
+    """The root logger's level once handler.py has set up logging (a fresh process: logging is set
+    up once) with LOG_LEVEL=``value`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "LOG_LEVEL"} | ({} if value is None else {"LOG_LEVEL": value})
+    code = ("import logging, handler; handler._configure_logging(); "
+            "print(logging.getLevelName(logging.getLogger().level))")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO / "src", env=env, capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
 # Offered although the config layer does not read them, with the default their reader uses.
-READ_ELSEWHERE: dict[str, Any] = {
-    "HF_TOKEN": None,  # huggingface_hub reads it; the config layer keeps it out (RESERVED_ENV)
-    "LOG_LEVEL": _handler_log_level(),  # handler.py sets up logging with it
+READ_ELSEWHERE: dict[str, Callable[[], Any]] = {
+    "HF_TOKEN": lambda: None,  # huggingface_hub reads it; the config layer keeps it out (RESERVED_ENV)
+    "LOG_LEVEL": lambda: handler_log_level(None),  # handler.py sets up logging with it
 }
 # Settings the code documents one by one deliberately not offered; they still work.
 NOT_OFFERED = {"MAX_LOG_LEN"}  # debugging; prompts stay out of the logs by default
@@ -82,7 +87,8 @@ def code_defaults() -> dict[str, str | None]:
     defaults = {dest.upper(): value for dest, value in namespace.items()}
     defaults |= {name: namespace[dest] for name, dest in ENV_ALIASES.items()}
     defaults |= {name: field.default for name, field in WORKER_SETTINGS.items()}
-    return {name: env_text(value) for name, value in (defaults | READ_ELSEWHERE).items()}
+    defaults |= {name: default() for name, default in READ_ELSEWHERE.items()}
+    return {name: env_text(value) for name, value in defaults.items()}
 
 
 def hub_inputs() -> dict[str, dict[str, Any]]:
@@ -288,6 +294,12 @@ def test_defaults_shown_are_the_codes():
         assert env_text(shown.get("default")) == defaults[name], f"hub.json {name}"
     for name, entry in WORKER_CONFIG["schema"].items():
         assert env_text(entry["value"]) == defaults[name], f"worker-config.json {name}"
+
+
+@pytest.mark.parametrize(("value", "level"), [(None, "INFO"), ("", "INFO"), ("  ", "INFO"),
+                                              ("debug", "DEBUG"), ("WARNING", "WARNING")])
+def test_the_handler_logs_at_log_level_else_at_its_default(value, level):
+    assert handler_log_level(value) == level
 
 
 def test_hub_json_and_worker_config_describe_the_same_settings():

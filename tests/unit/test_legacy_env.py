@@ -205,9 +205,11 @@ def test_request_logs_carry_no_prompt_text_unless_max_log_len_is_set():
     assert resolve(ENABLE_LOG_REQUESTS="true", MAX_LOG_LEN="500").namespace.max_log_len == 500
 
 
-def test_vllm_api_key_is_reported_as_ignored(caplog):
-    load_config({"MODEL_NAME": "m", "VLLM_CONFIG_FILE": "/nonexistent",
-                 "LOCAL_MODEL_ARGS_FILE": "/nonexistent", "VLLM_API_KEY": "sk-secret"})
+def test_vllm_api_key_is_reported_as_ignored_unless_blank(caplog):
+    env = {"MODEL_NAME": "m", "VLLM_CONFIG_FILE": "/nonexistent", "LOCAL_MODEL_ARGS_FILE": "/nonexistent"}
+    load_config({**env, "VLLM_API_KEY": " "})
+    assert "VLLM_API_KEY" not in caplog.text
+    load_config({**env, "VLLM_API_KEY": "sk-secret"})
     assert "VLLM_API_KEY is ignored" in caplog.text and "sk-secret" not in caplog.text
 
 

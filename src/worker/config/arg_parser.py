@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from worker.config.env_text import parse_bool
+from worker.env_text import parse_bool
 from worker.vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
 
 __all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",
@@ -41,7 +41,7 @@ _CORS = "CORS, for browsers' cross-origin requests: jobs come from RunPod's queu
 _HTTP_CLIENTS = ("for proxies and HTTP clients (a path prefix, keep-alive comments, a request-id "
                  "header): jobs reach the app through neither")
 _PROCESSES = "another process of `vllm serve` (gRPC, the data-parallel supervisor): the worker runs none"
-_DENIED_ROUTES = "shapes only routes no job may call (routes.DENIED)"
+_DENIED_ROUTES = "shapes only routes no job may call (route_table.DENIED)"
 
 # FrontendArgs fields the worker does not read (env, config file), with the reason.
 SERVER_ONLY: Mapping[str, str] = {

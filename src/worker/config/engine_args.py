@@ -7,17 +7,17 @@ Precedence, highest first (each layer is one function returning ``{dest: Setting
                      ``LORA_MODULES``→lora_modules
 2. env vars          every engine and front-end flag of ``vllm serve`` as its UPPER_SNAKE name
                      (``MAX_MODEL_LEN``→``--max-model-len``) but the HTTP server's
-                     (``arg_parser.SERVER_ONLY``), plus worker-vllm's legacy names (``legacy_env``)
+                     (``arg_parser.SERVER_ONLY``), plus worker-vllm's legacy names (``config/legacy_env``)
 3. config file       YAML at ``VLLM_CONFIG_FILE`` (``/vllm_config.yaml``), keys as in ``vllm serve --config``
                      (the HTTP server's flags ignored with a warning)
 4. baked args        ``/local_model_args.json``, written when a model is baked into the image
 5. worker defaults   ``WORKER_DEFAULTS``
 6. vLLM defaults
 
-Every value is parsed by vLLM's own parser (``arg_parser``), one setting at a time, so a bad value
-is reported with the variable that set it, before the model loads. An empty env value means "not
-set". The baked layer, and the choice of the image's copy when its repo is named, is
-``baked_args``'s.
+Every value is parsed by vLLM's own parser (``config/arg_parser``), one setting at a time, so a bad
+value is reported with the variable that set it, before the model loads. A blank env value means
+"not set" (``env_text.env_value``). The baked layer, and the choice of the image's copy when its
+repo is named, is ``model/baked_args``'s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import yaml
 from worker.model import baked_args
 from worker.config import settings
 from worker.config.arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
-from worker.config.env_text import env_value
+from worker.env_text import env_value
 from worker.wire.errors import ConfigError
 from worker.config.legacy_env import LEGACY_ENV, merge_rope
 from worker.config.legacy_env import translate as legacy_texts

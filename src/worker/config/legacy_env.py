@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from worker.config.env_text import env_value, parse_bool
+from worker.env_text import env_value, parse_bool
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,34 @@
-"""The settings layer: the only place (with ``engine_args``) that reads the environment.
+"""The settings layer: with ``config/engine_args``, where the worker reads its configuration from
+the environment (each value through ``env_text.env_value``: blank means unset).
 
 ``load_config(env)`` reads everything once, at start-up, before the model loads:
 
 - ``WorkerSettings``: the worker's own knobs (concurrency, stream batching, OpenAI output mode),
   typed and validated by pydantic;
-- ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``engine_args``).
+- ``ResolvedArgs``: vLLM's engine and OpenAI front-end flags (see ``config/engine_args``, which
+  reads worker-vllm's old names through ``config/legacy_env`` and the baked-args file through
+  ``model/baked_args``).
 
 Two readers run before vLLM is imported (this module imports it only in ``load_config``):
-``model_request(env)``, the hub repos to check and download (``preflight``), and
+``model_request(env)``, the hub repos to check and download (``model/preflight``), and
 ``failure_answer_seconds(env)``, how long a worker that could not start answers jobs.
 
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
 
-Four places touch the environment on purpose, outside this layer: ``handler`` reads LOG_LEVEL
-(logging must work before the configuration can fail), ``download_model`` reads the Dockerfile's
-build args (at build time, without vLLM), ``vllm_adapter._cpu_compile_cache`` sets two
-variables for the engine's process, which inherits them (keeping a user's own values), and
-``startup`` sets the file where vLLM's processes note why they failed (ENGINE_FAILURE_FILE_ENV).
+Outside this layer the environment is touched on purpose in these places only:
+
+- ``handler``: reads LOG_LEVEL (logging must work before the configuration can fail), and loads
+  ``./.env`` into the environment (``load_dotenv``, for local development; never overriding);
+- ``model/download_model``: reads the Dockerfile's build args (at build time, without vLLM);
+- ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``), the file where
+  vLLM's processes note why they failed, which ``vllm_adapter`` reads (``_note_failure`` in each
+  engine process, ``engine_failure`` in the worker's);
+- ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
+  the engine's processes, which inherit them, unless the user set them (``_users_own``).
+
+vLLM, torch and huggingface_hub read their own variables (VLLM_*, TORCH*, HF_*) as they do for
+``vllm serve``.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from worker.model import baked_args
-from worker.config.env_text import env_value
+from worker.env_text import env_value
 from worker.wire.errors import ConfigError
 from worker.model.preflight import ModelRequest, RepoRequest
 
@@ -61,7 +72,7 @@ class WorkerSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    # Jobs held at once: adaptive (concurrency.py) between these; no maximum means vLLM's max_num_seqs.
+    # Jobs held at once: adaptive (scheduling/concurrency) between these; no maximum: vLLM's max_num_seqs.
     max_concurrency: int | None = Field(None, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
     min_concurrency: int = Field(1, ge=1, validation_alias=_env("MIN_CONCURRENCY"))
     max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
@@ -80,7 +91,7 @@ class WorkerSettings(BaseModel):
                                          validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
     # "worker": job_loop.JobLoop, which starts a taken job at once; "sdk": the runpod SDK's own.
     job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
-    # Keep vLLM's compile cache on the network volume, when one is mounted (compile_cache.py).
+    # Keep vLLM's compile cache on the network volume, when one is mounted (engine/compile_cache).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
     # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
     startup_failure_answer_seconds: float = Field(
@@ -103,8 +114,8 @@ class WorkerSettings(BaseModel):
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
     """WorkerSettings from ``env`` (default ``os.environ``); empty values mean "not set"."""
     env = os.environ if env is None else env
-    given = {name: env[name].strip() for name in WorkerSettings.env_names()
-             if env.get(name, "").strip()}
+    given = {name: value for name in WorkerSettings.env_names()
+             if (value := env_value(name, env)) is not None}
     try:
         return WorkerSettings.model_validate(given)
     except ValidationError as exc:
@@ -129,10 +140,10 @@ VOLUME_CACHE_DIR = "vllm-cache"  # under BASE_PATH
 def volume_cache_dir(settings: WorkerSettings, env: Mapping[str, str]) -> Path | None:
     """The compile cache's folder on the network volume, when one is mounted at BASE_PATH and
     neither VLLM_CACHE_ROOT (the user's own cache root) nor COMPILE_CACHE_ON_VOLUME=false says no."""
-    volume = Path(env.get("BASE_PATH", "").strip() or DEFAULT_BASE_PATH)
+    volume = Path(env_value("BASE_PATH", env) or DEFAULT_BASE_PATH)
     if not settings.compile_cache_on_volume:
         reason = "COMPILE_CACHE_ON_VOLUME=false"
-    elif env.get("VLLM_CACHE_ROOT", "").strip():
+    elif env_value("VLLM_CACHE_ROOT", env) is not None:
         reason = "VLLM_CACHE_ROOT is set"
     elif not (volume.is_dir() and os.access(volume, os.W_OK)):
         reason = f"no writable network volume at {volume} (BASE_PATH)"
@@ -176,7 +187,7 @@ def load_config(env: Mapping[str, str] | None = None,
         problems.append(str(exc))
     if problems:
         raise ConfigError("\n".join(problems))
-    if env.get("VLLM_API_KEY"):
+    if env_value("VLLM_API_KEY", env) is not None:
         log.warning("VLLM_API_KEY is ignored: RunPod authenticates callers, and jobs reach vLLM's "
                     "routes in-process, without a bearer token")
     log.info("Engine config: %s", args.summary())
@@ -188,17 +199,17 @@ def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
     """STARTUP_FAILURE_ANSWER_SECONDS alone, read before (and whatever) the rest of the
     configuration fails; its own bad value is reported with the rest and the default used."""
     env = os.environ if env is None else env
+    value = env_value(FAILURE_ANSWER_ENV, env)
     try:
         return WorkerSettings.model_validate(
-            {FAILURE_ANSWER_ENV: env_value(FAILURE_ANSWER_ENV, env)} if env_value(FAILURE_ANSWER_ENV, env)
-            else {}).startup_failure_answer_seconds
+            {} if value is None else {FAILURE_ANSWER_ENV: value}).startup_failure_answer_seconds
     except ValidationError:
         return DEFAULT_FAILURE_ANSWER_SECONDS
 
 
 def config_file(env: Mapping[str, str]) -> Path:
     """The YAML config file's path: VLLM_CONFIG_FILE, else ``/vllm_config.yaml``."""
-    return Path(env.get("VLLM_CONFIG_FILE") or "/vllm_config.yaml")
+    return Path(env_value("VLLM_CONFIG_FILE", env) or "/vllm_config.yaml")
 
 
 def _config_file_keys(env: Mapping[str, str]) -> dict[str, str]:

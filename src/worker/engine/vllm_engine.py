@@ -1,4 +1,5 @@
-"""``vLLMEngine``: vLLM's AsyncLLM on its own event loop, and the raw job path.
+"""``vLLMEngine``: vLLM's AsyncLLM on its own event loop, and the raw job path; ``FromParts``, the
+constructor pattern it shares with ``routes/serving.OpenAIvLLMEngine``.
 
 Raw output (worker-vllm's format), one item per stream batch, or one item when not streaming::
 
@@ -18,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from worker.jobs.batching import batched, job_batch_size
 from worker.engine.background_loop import BackgroundLoop
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["vLLMEngine"]
+__all__ = ["FromParts", "vLLMEngine"]
 
 # Prompts shorter than this are tokenized on the engine's loop (at most about half a millisecond
 # with a fast tokenizer), where a hop to a thread would cost more than the work.
@@ -78,7 +79,23 @@ async def _start(args: ResolvedArgs, on_load: LoadObserver | None) -> AsyncLLM:
     return start_engine(args.engine_config(), args.engine_args, on_load)
 
 
-class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
+class FromParts:
+    """The public engines' constructor pattern (``vLLMEngine``, and ``OpenAIvLLMEngine`` on it):
+    ``__init__`` builds the parts, which is slow (a model to load, an app to build), and hands them
+    to ``_assemble``; ``from_parts`` hands it parts built already (or stand-ins): nothing is built."""
+
+    def _assemble(self, *parts: Any, **options: Any) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_parts(cls, *parts: Any, **options: Any) -> Self:
+        """An instance around parts built already: the arguments of the class's ``_assemble``."""
+        instance = cls.__new__(cls)
+        instance._assemble(*parts, **options)
+        return instance
+
+
+class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
     """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
 
     def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True,
@@ -95,21 +112,14 @@ class vLLMEngine:  # noqa: N801 - public name kept from worker-vllm
             loop.close()  # a failed start may be tried again: leave no loop thread behind
             raise
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
-        self._assemble(config.settings, llm, loop, config)
+        self._assemble(config.settings, llm, loop, config=config)
         if warm_up:
             self.warm_up().result()
 
-    @classmethod
-    def from_parts(cls, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop, *,
-                   config: WorkerConfig | None = None, tokenizer: TokenizerWrapper | None = None) -> vLLMEngine:
-        """An engine around an ``llm`` already running on ``loop`` (an AsyncLLM, or a stand-in with
-        the methods a job uses): nothing is loaded. ``tokenizer`` defaults to the llm's own."""
-        engine = cls.__new__(cls)
-        engine._assemble(settings, llm, loop, config, tokenizer)
-        return engine
-
-    def _assemble(self, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop,
-                  config: WorkerConfig | None, tokenizer: TokenizerWrapper | None = None) -> None:
+    def _assemble(self, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop, *,
+                  config: WorkerConfig | None = None, tokenizer: TokenizerWrapper | None = None) -> None:
+        """Also ``from_parts``: an engine around an ``llm`` already running on ``loop`` (an AsyncLLM,
+        or a stand-in with the methods a job uses). ``tokenizer`` defaults to the llm's own."""
         self.config, self.settings, self.llm, self.loop = config, settings, llm, loop
         self.engine_args = config.args.engine_args if config else None
         if tokenizer is None:

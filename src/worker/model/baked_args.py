@@ -1,9 +1,9 @@
-"""The baked-args file: what ``download_model.py`` writes when a model is baked into the image, and
-the worker's configuration layer built from it.
+"""The baked-args file: what ``model/download_model`` writes when a model is baked into the image,
+and the worker's configuration layer built from it.
 
 The file is a JSON object of env-style names: the local snapshot paths as ``MODEL_NAME`` /
 ``TOKENIZER_NAME``, the repos they came from as ``BAKED_MODEL_NAME`` / ``BAKED_TOKENIZER_NAME``,
-and ``QUANTIZATION``. Plain (no vLLM): the image's build stage runs ``download_model.py`` alone.
+and ``QUANTIZATION``. Plain (no vLLM): the image's bake step runs it with only its own files.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from worker.env_text import env_value
 
 if TYPE_CHECKING:
     from worker.config.arg_parser import EnvParser, Setting
@@ -25,7 +27,7 @@ BAKED_SOURCE_KEYS = {"model": "BAKED_MODEL_NAME", "tokenizer": "BAKED_TOKENIZER_
 
 
 def args_file(env: Mapping[str, str]) -> Path:
-    return Path(env.get(ARGS_FILE_ENV, "").strip() or DEFAULT_ARGS_FILE)
+    return Path(env_value(ARGS_FILE_ENV, env) or DEFAULT_ARGS_FILE)
 
 
 def write(path: Path, model: str, local_model: Path, tokenizer: tuple[str, Path] | None = None,

@@ -2,7 +2,7 @@
 
 Reads the Dockerfile's build args from the environment:
 
-- ``MODEL_NAME``: the repo to bake; when empty, nothing is baked and the script succeeds;
+- ``MODEL_NAME``: the repo to bake; when unset or blank, nothing is baked and the script succeeds;
 - ``MODEL_REVISION``: its branch, tag or commit (default: main);
 - ``TOKENIZER_NAME`` / ``TOKENIZER_REVISION``: a tokenizer from another repo or revision, baked too;
 - ``QUANTIZATION``: recorded for the worker, which loads the model with it.
@@ -11,7 +11,7 @@ From each repo it downloads the config and tokenizer files and exactly one weigh
 ``*.safetensors``, else ``*.bin``, else ``*.pt``; no training state), with progress bars, into
 ``BAKED_MODELS_DIR`` (default ``/models``; not under ``BASE_PATH``, where a network volume is
 mounted at run time and would hide it). Then it writes ``LOCAL_MODEL_ARGS_FILE`` (default
-``/local_model_args.json``), the file the worker's config layer reads (``baked_args.py``: the local
+``/local_model_args.json``), the file the worker's config layer reads (``model/baked_args``: the local
 snapshot paths, the repos they came from, and ``QUANTIZATION``). Revisions are not written: a
 snapshot path is one revision already, and a revision there would also apply to any other model
 named at run time.
@@ -43,6 +43,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from worker.env_text import env_value
 from worker.model import baked_args
 
 log = logging.getLogger("download_model")
@@ -148,27 +149,23 @@ def fetch(repo: str, revision: str | None, cache_dir: Path, *, weights: bool) ->
     return Snapshot(Path(path), tuple(files))
 
 
-def _setting(env: Mapping[str, str], name: str) -> str | None:
-    return env.get(name, "").strip() or None
-
-
 def bake(env: Mapping[str, str]) -> dict[str, str] | None:
     """Bake the model (and tokenizer) ``env`` names; returns the args written, None if none."""
-    model = _setting(env, "MODEL_NAME")
+    model = env_value("MODEL_NAME", env)
     if model is None:
         log.info("MODEL_NAME is empty: no model baked in")
         return None
-    cache_dir = Path(_setting(env, "BAKED_MODELS_DIR") or DEFAULT_MODELS_DIR)
-    revision = _setting(env, "MODEL_REVISION")
+    cache_dir = Path(env_value("BAKED_MODELS_DIR", env) or DEFAULT_MODELS_DIR)
+    revision = env_value("MODEL_REVISION", env)
     local_model = fetch(model, revision, cache_dir, weights=True).path
-    tokenizer = _setting(env, "TOKENIZER_NAME") or model
+    tokenizer = env_value("TOKENIZER_NAME", env) or model
     # Another repo's tokenizer comes from its own default branch unless TOKENIZER_REVISION names one.
-    tokenizer_revision = _setting(env, "TOKENIZER_REVISION") or (revision if tokenizer == model else None)
+    tokenizer_revision = env_value("TOKENIZER_REVISION", env) or (revision if tokenizer == model else None)
     other_tokenizer = None
     if (tokenizer, tokenizer_revision) != (model, revision):  # else the model's own files serve
         other_tokenizer = tokenizer, fetch(tokenizer, tokenizer_revision, cache_dir, weights=False).path
     path = baked_args.args_file(env)
-    baked = baked_args.write(path, model, local_model, other_tokenizer, _setting(env, "QUANTIZATION"))
+    baked = baked_args.write(path, model, local_model, other_tokenizer, env_value("QUANTIZATION", env))
     log.info("Wrote %s: %s", path, baked)
     return baked
 

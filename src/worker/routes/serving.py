@@ -31,11 +31,12 @@ from worker.routes.asgi_client import Response, request
 from worker.jobs.batching import Batches, BatchSize, job_batch_size
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
-from worker.wire.errors import ErrorPayload, anthropic_error, create_error_response, error_response
+from worker.wire.errors import ErrorPayload, error_response
 from worker.routes.forms import form_body
 from worker.jobs.job_input import JobInput
 from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
 from worker.config.settings import WorkerSettings
+from worker.engine.vllm_engine import FromParts
 from worker.wire.sse import EventSplitter, data_json
 from worker.vllm_adapter import build_openai_app
 
@@ -80,11 +81,9 @@ def _error_item(status: int, content: Any, route: Route) -> Any:
         if isinstance(error, dict):
             error = {**error, "message": message}
             content = {**content, "error": error}
-    if route.anthropic:
-        return anthropic_error(status, message)
-    if isinstance(error, dict) and "type" in error:
+    if isinstance(error, dict) and "type" in error and not route.anthropic:
         return ErrorPayload(content)  # vLLM's own error body, as it is
-    return create_error_response(message, status_code=HTTPStatus(status))
+    return error_response(status, message, anthropic=route.anthropic)
 
 
 async def _event_batches(response: Response, size: BatchSize,
@@ -117,7 +116,7 @@ def _serving_namespace(vllm_engine: vLLMEngine, namespace: argparse.Namespace | 
     return namespace
 
 
-class OpenAIvLLMEngine:
+class OpenAIvLLMEngine(FromParts):
     """Serves OpenAI-route jobs on an existing ``vLLMEngine``'s AsyncLLM and event loop."""
 
     def __init__(self, vllm_engine: vLLMEngine, namespace: argparse.Namespace | None = None,
@@ -128,26 +127,18 @@ class OpenAIvLLMEngine:
         started = time.perf_counter()
         # Created once, in the engine's loop, before any job: no lazy first-request set-up.
         app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, namespace))
-        self._assemble(vllm_engine, app, RouteTable.from_app(app), namespace, settings)
+        self._assemble(vllm_engine, app, RouteTable.from_app(app), namespace=namespace, settings=settings)
         log.info("OpenAI routes ready in %.2fs: %s", time.perf_counter() - started,
                  ", ".join(self.routes.names()))
 
-    @classmethod
-    def from_parts(cls, vllm_engine: vLLMEngine, app: Any, routes: RouteTable, *,
-                   namespace: argparse.Namespace | None = None,
-                   settings: WorkerSettings | None = None) -> OpenAIvLLMEngine:
-        """Serves ``app`` (vLLM's app, or any ASGI app serving ``routes``) on the engine's loop:
-        nothing is built."""
-        served = cls.__new__(cls)
-        settings = settings or vllm_engine.settings
-        served._assemble(vllm_engine, app, routes, _serving_namespace(vllm_engine, namespace, settings),
-                         settings)
-        return served
-
-    def _assemble(self, vllm_engine: vLLMEngine, app: Any, routes: RouteTable,
-                  namespace: argparse.Namespace, settings: WorkerSettings) -> None:
+    def _assemble(self, vllm_engine: vLLMEngine, app: Any, routes: RouteTable, *,
+                  namespace: argparse.Namespace | None = None, settings: WorkerSettings | None = None) -> None:
+        """Also ``from_parts``: serves ``app`` (vLLM's app, or any ASGI app serving ``routes``) on the
+        engine's loop. ``namespace`` and ``settings`` default as ``__init__``'s do (a namespace that
+        is served already comes out the same)."""
         self.engine, self.app, self.routes = vllm_engine, app, routes
-        self.namespace, self.settings = namespace, settings
+        self.settings = settings or vllm_engine.settings
+        self.namespace = _serving_namespace(vllm_engine, namespace, self.settings)
 
     @property
     def served_model_name(self) -> str:

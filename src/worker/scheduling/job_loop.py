@@ -2,7 +2,7 @@
 refilled when it frees.
 
 ``runpod.serverless.start`` stays the entry point: it builds ``rp_scale.JobScaler``, which
-``install()`` points at ``JobLoop``. The SDK's own loop (runpod 1.10.0, unchanged in 1.12.0) polls:
+``install()`` points at ``JobLoop``. The SDK's own loop (runpod 1.10.0, ``SDK_VERSION``) polls:
 
 - ``run_jobs`` looks at its queue every 0.1 s, so a taken job waits 0-100 ms before it starts;
 - ``get_jobs`` sleeps 1 s whenever every slot is busy, so a freed slot stays empty up to 1 s;
@@ -17,9 +17,11 @@ stop-channel poll that the server held open and ended empty is made again at onc
 dropped when the last job ends at shutdown).
 The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
 
-The overridden methods were read against one SDK version (``SDK_VERSION``): with another, the
-SDK's loop runs unchanged and a warning says so, and ``tests/unit/test_job_loop.py`` fails until
-the methods are reviewed again.
+The overridden methods were read against one SDK version, ``SDK_VERSION`` (the pinned one): with
+another installed, ``install()`` leaves the SDK's loop in place and a warning says so. Nothing
+checks other versions: ``tests/unit/test_job_loop.py`` fails when the installed version is not
+``SDK_VERSION``, or when the source of an SDK function ``JobLoop`` overrides or relies on differs
+from the one read (a SHA-256 digest of each, ``SDK_SOURCES``).
 """
 
 from __future__ import annotations

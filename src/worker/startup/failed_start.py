@@ -6,8 +6,7 @@ with the cause: HTTP 503 in the route's dialect (OpenAI's, or Anthropic's on ``/
 same error item on raw jobs. It does so for STARTUP_FAILURE_ANSWER_SECONDS (default 120), which
 drains the queue so that the endpoint can scale down, then exits, so that RunPod replaces it: a new
 worker tries the start again (the cause may have been fixed meanwhile, or been transient). The exit
-status is 2 when settings must change, else 1; with 0 seconds the worker exits at
-once, as it did before.
+status is 2 when settings must change, else 1; with 0 seconds the worker exits at once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The worker's start, step by step, each failure a ``StartupError`` naming what to change.
 
-1. ``fetch_model``: the hub checks and download of ``preflight``, before vLLM is imported;
-2. ``settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
+1. ``fetch_model``: the hub checks and download of ``model/preflight``, before vLLM is imported;
+2. ``config/settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
 3. ``start_engine``: vLLM's configuration (``ConfigError``: a combination vLLM rejects, an
    architecture it does not serve, a length that cannot fit the GPUs), then the engine.
 

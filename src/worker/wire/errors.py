@@ -2,12 +2,15 @@
 
 Exception tree::
 
-    WorkerError                      anything the worker raises on purpose
+    WorkerError                      what the worker raises on purpose for a start or a job to fail
     ├── StartupError                 the worker cannot start: every job is answered with it
     │   └── ConfigError              bad configuration, found before the model loads
     └── RequestError                 a job that cannot be served; the worker keeps serving
         └── (status 400 unless set)  e.g. a bad field in the job input
 
+Two deliberate exceptions stay outside it, as neither reaches a caller as it is:
+``jobs/deadlines.DeadlinePassed``, which the handler turns into a 408 or 503 error item, and
+``model/download_model.BakeError``, the image's bake step's (build time, with only its own files).
 Other exceptions (vLLM's) are classified by type, never by message, in the adapter
 (``vllm_adapter.error_status``, ``vllm_adapter.is_fatal``): this module imports no vLLM, so the
 modules that raise the worker's errors do not pull in vLLM and torch.
@@ -15,7 +18,7 @@ modules that raise the worker's errors do not pull in vLLM and torch.
 A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape, or Anthropic's on
 ``/v1/messages``). The runpod SDK fails the job with ``str()`` of the inner ``error`` value as its
 error text, so that value is a ``JsonDict`` whose ``str()`` is JSON: RunPod clients get a
-parseable error, in-process callers plain dicts.
+parseable error, in-process callers plain dicts. The local endpoint builds its error bodies here too.
 """
 
 from __future__ import annotations
@@ -74,11 +77,18 @@ class ErrorPayload(JsonDict):
         self["error"] = JsonDict(self["error"])
 
 
+def error_item(error: dict, *, anthropic: bool = False) -> ErrorPayload:
+    """An error object in its dialect's envelope: Anthropic's ``{"type": "error", "error": ...}``,
+    else OpenAI's ``{"error": ...}``."""
+    return ErrorPayload(type="error", error=error) if anthropic else ErrorPayload(error=error)
+
+
 def create_error_response(message: str, err_type: str | None = None,
-                          status_code: HTTPStatus = HTTPStatus.BAD_REQUEST,
+                          status_code: int = HTTPStatus.BAD_REQUEST,
                           param: str | None = None) -> ErrorPayload:
-    """The error item a job yields (name kept from worker-vllm's ``utils``)."""
-    return ErrorPayload(error={
+    """OpenAI's error item, ``{"error": {"message", "type", "param", "code"}}`` (name kept from
+    worker-vllm's ``utils``)."""
+    return error_item({
         "message": message,
         "type": err_type or openai_type(status_code),
         "param": param,
@@ -88,10 +98,10 @@ def create_error_response(message: str, err_type: str | None = None,
 
 def anthropic_error(status: int, message: str) -> ErrorPayload:
     """Anthropic's error object, ``{"type": "error", "error": {"type", "message"}}``."""
-    return ErrorPayload(type="error", error={"type": anthropic_type(status), "message": message})
+    return error_item({"type": anthropic_type(status), "message": message}, anthropic=True)
 
 
-def error_response(status: HTTPStatus, message: str, *, param: str | None = None,
+def error_response(status: int, message: str, *, param: str | None = None,
                    anthropic: bool = False) -> ErrorPayload:
     """An error item in the job's dialect: Anthropic's on ``/v1/messages``, else OpenAI's."""
     if anthropic:

@@ -1,7 +1,7 @@
 """Server-sent events (``text/event-stream``) as vLLM's server writes them: events that each end in
 a blank line, made of ``event:`` and ``data:`` lines, the stream ending with ``data: [DONE]`` on
-OpenAI's routes. The worker reads vLLM's events and re-frames parsed ones, the local endpoint
-writes them and the tests read them: all through here. Plain: no vLLM.
+OpenAI's routes. The worker reads vLLM's events and re-frames parsed ones, and the local endpoint
+writes them, through here. Plain: no vLLM.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["DONE", "EventSplitter", "data_json", "event_ends", "frame", "parse"]
+__all__ = ["DONE", "EventSplitter", "data_json", "event_ends", "frame"]
 
 EVENT_END = "\n\n"  # the blank line that ends an event
 _EVENT_END_BYTES = EVENT_END.encode()
@@ -63,16 +63,3 @@ def frame(obj: Any) -> str:
     """One event carrying ``obj`` as JSON."""
     return f"data: {json.dumps(obj)}{EVENT_END}"
 
-
-def parse(text: str) -> list[tuple[str | None, str | None]]:
-    """(event name, data) of each event in ``text``."""
-    events = []
-    for block in filter(str.strip, text.split(EVENT_END)):
-        name = data = None
-        for line in block.splitlines():
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data = line[5:].strip()
-        events.append((name, data))
-    return events
