@@ -374,6 +374,45 @@ def test_unknown_route_is_a_404_listing_the_routes(tiny_openai, run_openai):
     assert "/v1/chat/completions" in item["error"]["message"]
 
 
+# --- unseeded sampling, as a fresh `vllm serve` samples ------------------------------------------
+
+# The body of a batch-route test of vLLM's own (test_batched_chat_completions.py), which sets no
+# temperature or seed (nor max_tokens: 16 keeps this test short). One conversation: which draws
+# two get depends on whether the engine schedules them in the same step.
+UNSEEDED_BATCH = {"messages": [[{"role": "user", "content": "Reply with exactly the word: alpha"}]],
+                  "logprobs": True, "top_logprobs": 1, "return_tokens_as_token_ids": True,
+                  "max_tokens": 16}
+
+
+def as_started(engine) -> None:
+    """The engine's sampler as start-up leaves it: vLLM's last start-up step on its workers
+    (``compile_or_warm_up_model``) seeds it again with the configured seed (and, the KV cache being
+    there, does nothing else)."""
+    engine.loop.run(engine.llm.collective_rpc("compile_or_warm_up_model"))
+
+
+def sampled_tokens(answer: dict) -> list[str]:
+    (choice,) = answer["choices"]
+    assert choice["finish_reason"] in ("stop", "length")
+    tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
+    assert len(tokens) == answer["usage"]["completion_tokens"] > 0
+    return tokens
+
+
+def test_the_warm_up_leaves_the_seeded_sampler_as_vllm_serve_starts_with_it(tiny_openai, run_openai):
+    """A fresh `vllm serve` answers unseeded requests with the draws of its freshly seeded sampler.
+    A warm-up that drew from it made a fresh worker answer them otherwise (issue 29: where
+    `vllm serve` answered vLLM's batch-route tests with a few words, the worker's answers ran to
+    the end of the context, minutes on the CPU)."""
+    body = {"model": tiny_openai.served_model_name, **UNSEEDED_BATCH}
+    as_started(tiny_openai.engine)
+    (fresh,) = run_openai(tiny_openai, "/v1/chat/completions/batch", body)
+    as_started(tiny_openai.engine)
+    tiny_openai.engine.warm_up().result()
+    (warmed,) = run_openai(tiny_openai, "/v1/chat/completions/batch", body)
+    assert sampled_tokens(warmed) == sampled_tokens(fresh)
+
+
 def test_serving_state_exists_before_the_first_job_and_is_built_once(tiny_engine):
     engine = OpenAIvLLMEngine(tiny_engine)
     chat = engine.app.state.openai_serving_chat

@@ -139,11 +139,15 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
         A speech-to-text model that only transcribes (Whisper: tasks ``("transcription",)``) gets
         them as its decoder prompt, with 16,000 samples of silence (1 s at Whisper's 16 kHz; given
         with no rate, so never resampled) as its audio.
+
+        Greedy: vLLM seeds its sampler again at the end of start-up, so that a fresh `vllm serve`
+        answers unseeded requests with that seed's draws; a warm-up that sampled would take some of
+        them, and a fresh worker would answer those requests otherwise.
         """
         prompt = TokensPrompt(prompt_token_ids=list(range(16)))
         tasks = await self.llm.get_supported_tasks()
         pooling_task = next((t for t in tasks if t in POOLING_TASKS), None)
-        params = build_sampling_params({"max_tokens": 2}, stream=False)
+        params = build_sampling_params({"max_tokens": 2, "temperature": 0}, stream=False)
         if "generate" in tasks:
             outputs = self.llm.generate(prompt, params, "warm-up")
         elif pooling_task is not None:
