@@ -35,15 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from worker.env_text import env_value
 from worker.jobs.deadlines import DeadlinePassed, Deadlines
-from worker.wire.dialects import is_anthropic_route
-from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
 from worker.jobs.job_input import JobInput
 from worker.startup.process_exit import stop_then_exit
+from worker.wire.dialects import is_anthropic_route
+from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
 
 if TYPE_CHECKING:
-    from worker.scheduling.concurrency import Concurrency
-    from worker.engine.vllm_engine import vLLMEngine
     from worker.config.settings import WorkerConfig, WorkerSettings
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.scheduling.concurrency import Concurrency
 
 log = logging.getLogger("handler")
 
@@ -178,8 +178,8 @@ def _import_serving() -> None:
 
 def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEngine, Concurrency]:
     """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold)."""
-    from worker.scheduling.concurrency import Concurrency
     from worker.engine.vllm_engine import vLLMEngine
+    from worker.scheduling.concurrency import Concurrency
 
     jobs = Concurrency(config.settings.min_concurrency, config.settings.max_concurrency,
                        held=lambda: deadlines.running)
@@ -197,7 +197,8 @@ def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str
     """Everything start-up does before jobs are taken (``startup/steps``); sets the engines."""
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
-    from worker.startup.steps import fetch_model, start_engine as start_with_retry
+    from worker.startup.steps import fetch_model
+    from worker.startup.steps import start_engine as start_with_retry
 
     downloaded = fetch_model()  # before vLLM is imported: a bad repo or token is answered in seconds
     phase("model")
@@ -213,8 +214,8 @@ def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str
     threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
     vllm_engine, jobs = start_with_retry(config, lambda cfg: start_engine(cfg, warm_up=False))
     phase("engine")
-    from worker.scheduling import job_loop
     from worker.routes.serving import OpenAIvLLMEngine
+    from worker.scheduling import job_loop
 
     jobs.on_raise = job_loop.wake
     cache_state = cache.end(vllm_engine.compiles)
@@ -241,8 +242,8 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    from worker.startup import failed_start
     from worker.config.settings import failure_answer_seconds
+    from worker.startup import failed_start
 
     phase("imports")
     try:

@@ -25,24 +25,31 @@ import msgspec
 import pydantic
 import torch
 import torch._dynamo.config
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 import vllm.envs
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
 
 try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
-    from vllm.entrypoints.common.cli_args import (FrontendArgs, make_arg_parser,
-                                                  propagate_flash_late_interaction,
-                                                  validate_parsed_serve_args)
+    from vllm.entrypoints.common.cli_args import (
+        FrontendArgs,
+        make_arg_parser,
+        propagate_flash_late_interaction,
+        validate_parsed_serve_args,
+    )
 except ModuleNotFoundError:  # vLLM 0.32
-    from vllm.entrypoints.launchers.cli_args import (FrontendArgs, make_arg_parser,
-                                                     propagate_flash_late_interaction,
-                                                     validate_parsed_serve_args)
-from vllm.entrypoints.serve.exception_handling.error_response import \
-    create_error_response as _vllm_error_response
+    from vllm.entrypoints.launchers.cli_args import (
+        FrontendArgs,
+        make_arg_parser,
+        propagate_flash_late_interaction,
+        validate_parsed_serve_args,
+    )
+from vllm.entrypoints.serve.exception_handling.error_response import (
+    create_error_response as _vllm_error_response,
+)
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-from vllm.model_executor.models.registry import ModelRegistry
 from vllm.exceptions import VLLMClientError
+from vllm.model_executor.models.registry import ModelRegistry
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams

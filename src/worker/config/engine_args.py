@@ -35,26 +35,33 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from worker.model import baked_args
 from worker.config import settings
-from worker.config.arg_parser import ENV_ALIASES, SERVER_ONLY, ZERO_MEANS_UNSET, EnvParser, Setting, env_parser
-from worker.env_text import env_value
-from worker.wire.errors import ConfigError
+from worker.config.arg_parser import (
+    ENV_ALIASES,
+    SERVER_ONLY,
+    ZERO_MEANS_UNSET,
+    EnvParser,
+    Setting,
+    env_parser,
+)
 from worker.config.legacy_env import LEGACY_ENV, merge_rope
 from worker.config.legacy_env import translate as legacy_texts
+from worker.env_text import env_value
+from worker.model import baked_args
 from worker.model.model_folder import check_model_folder
 from worker.vllm_adapter import (
+    VLLM_VERSION,
     AsyncEngineArgs,
     VllmConfig,
     create_engine_config,
     engine_args_from,
-    VLLM_VERSION,
     engine_config_message,
     memory_estimate,
     unsupported_architectures,
     validate_frontend_args,
     visible_gpu_count,
 )
+from worker.wire.errors import ConfigError
 
 if TYPE_CHECKING:
     from worker.model.preflight import Fetched

@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from worker.model import baked_args
 from worker.env_text import env_value
-from worker.wire.errors import ConfigError
+from worker.model import baked_args
 from worker.model.preflight import ModelRequest, RepoRequest
+from worker.wire.errors import ConfigError
 
 if TYPE_CHECKING:
     from worker.config.engine_args import ResolvedArgs

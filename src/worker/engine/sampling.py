@@ -13,7 +13,6 @@ from typing import Any
 
 import msgspec
 
-from worker.wire.errors import RequestError
 from worker.vllm_adapter import (
     REQUEST_ERRORS,
     SAMPLING_FIELDS,
@@ -21,6 +20,7 @@ from worker.vllm_adapter import (
     SamplingParams,
     make_sampling_params,
 )
+from worker.wire.errors import RequestError
 
 __all__ = ["DEFAULT_MAX_TOKENS", "build_sampling_params"]
 

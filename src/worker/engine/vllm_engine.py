@@ -21,12 +21,12 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self
 
-from worker.jobs.batching import batched, job_batch_size
-from worker.engine.background_loop import BackgroundLoop
-from worker.jobs.job_input import JobInput
-from worker.engine.sampling import build_sampling_params
 from worker.config.settings import WorkerConfig, WorkerSettings, load_config
+from worker.engine.background_loop import BackgroundLoop
+from worker.engine.sampling import build_sampling_params
 from worker.engine.tokenizer import TokenizerWrapper, prompt_chars
+from worker.jobs.batching import batched, job_batch_size
+from worker.jobs.job_input import JobInput
 from worker.vllm_adapter import (
     POOLING_TASKS,
     AsyncLLM,

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from worker.jobs.job_input import JobInput
     from worker.config.settings import WorkerSettings
+    from worker.jobs.job_input import JobInput
 
 T = TypeVar("T")
 

@@ -39,8 +39,6 @@ from pathlib import Path
 import httpx2  # huggingface_hub's HTTP client
 import huggingface_hub
 from huggingface_hub import HfApi, constants, hf_hub_url, snapshot_download
-from huggingface_hub.file_download import http_get, repo_folder_name
-from huggingface_hub.utils import WeakFileLock, build_hf_headers
 from huggingface_hub.errors import (
     GatedRepoError,
     HfHubHTTPError,
@@ -48,6 +46,8 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import http_get, repo_folder_name
+from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
 from worker.model.download_model import select_files
 from worker.wire.errors import StartupError

@@ -27,18 +27,18 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-from worker.routes.asgi_client import Response, request
+from worker.config.settings import WorkerSettings
+from worker.engine.vllm_engine import FromParts
 from worker.jobs.batching import Batches, BatchSize, job_batch_size
+from worker.jobs.job_input import JobInput
+from worker.routes.asgi_client import Response, request
+from worker.routes.forms import form_body
+from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
+from worker.vllm_adapter import build_openai_app
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, error_response
-from worker.routes.forms import form_body
-from worker.jobs.job_input import JobInput
-from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
-from worker.config.settings import WorkerSettings
-from worker.engine.vllm_engine import FromParts
 from worker.wire.sse import EventSplitter, data_json
-from worker.vllm_adapter import build_openai_app
 
 if TYPE_CHECKING:
     from worker.engine.vllm_engine import vLLMEngine

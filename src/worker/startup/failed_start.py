@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 
+from worker.startup.process_exit import stop_then_exit
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ConfigError, ErrorPayload, StartupError, error_response
-from worker.startup.process_exit import stop_then_exit
 
 log = logging.getLogger(__name__)
 

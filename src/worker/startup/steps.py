@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING, TypeVar
 from worker.wire.errors import StartupError
 
 if TYPE_CHECKING:
-    from worker.scheduling.concurrency import Concurrency
-    from worker.engine.vllm_engine import vLLMEngine
     from worker.config.engine_args import ResolvedArgs
-    from worker.model.preflight import Fetched
     from worker.config.settings import WorkerConfig
+    from worker.engine.vllm_engine import vLLMEngine
+    from worker.model.preflight import Fetched
+    from worker.scheduling.concurrency import Concurrency
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +56,8 @@ def _once_more(step: Callable[[], T], what: str) -> T:
 
 def fetch_model() -> tuple[Fetched, Fetched | None] | None:
     """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured."""
-    from worker.model.preflight import prepare
     from worker.config.settings import model_request
+    from worker.model.preflight import prepare
 
     request = model_request()
     return _once_more(lambda: prepare(request), "Model download") if request else None
@@ -104,7 +104,8 @@ def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -
 
 def _start_once(config: WorkerConfig, build: Callable[[WorkerConfig], T], note_dir: Path,
                 attempt: int) -> T:
-    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, engine_failure as noted_failure, note_engine_failures
+    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, note_engine_failures
+    from worker.vllm_adapter import engine_failure as noted_failure
 
     os.environ[ENGINE_FAILURE_FILE_ENV] = str(note_dir / f"attempt-{attempt}.json")
     note_engine_failures(in_engine_process=False)
