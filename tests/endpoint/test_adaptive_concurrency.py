@@ -89,6 +89,10 @@ def small_kv_worker(models, tmp_path_factory):
     endpoint.stop()
 
 
+# Fails about one run in two, at 56593c5 as now: the first burst finds the limit by preempting,
+# and when the target has not fallen to what fits by its end, the second burst is taken whole
+# and preempted again. Admitting what fits without probing is issue 30, which removes this mark.
+@pytest.mark.xfail(strict=False, reason="issue 30: the first burst probes the KV limit by preempting")
 def test_on_a_small_kv_cache_the_jobs_held_settle_at_what_fits(small_kv_worker):
     endpoint, folder = small_kv_worker
     kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", endpoint.log())[1].replace(",", ""))
