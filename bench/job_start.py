@@ -73,11 +73,19 @@ def read_trace(endpoint: Endpoint) -> dict[str, dict[str, float]]:
 
 def vllm_bench(server: Server, model_path: str, n: int, prompts: int, output_tokens: int) -> Load:
     """One ``vllm.benchmarks.serve`` run of ``prompts`` chats, ``n`` at a time; its median TTFT."""
+    result = vllm_bench_result(server, model_path, n, prompts, output_tokens)
+    return Load(tokens_per_s=result["output_throughput"], ttft=result["median_ttft_ms"] / 1000)
+
+
+def vllm_bench_result(server: Server, model_path: str, n: int, prompts: int, output_tokens: int,
+                      percentiles: str = "99") -> dict:
+    """One ``vllm.benchmarks.serve`` run of ``prompts`` chats, ``n`` at a time: its result file."""
     flags = {"--backend": "openai-chat", "--base-url": server.base_url.removesuffix("/v1"),
              "--endpoint": "/v1/chat/completions", "--model": model_path, "--tokenizer": model_path,
              "--dataset-name": "random", "--random-input-len": INPUT_TOKENS,
              "--random-output-len": output_tokens, "--num-prompts": prompts, "--max-concurrency": n,
-             "--seed": 0, "--ready-check-timeout-sec": 0, "--result-filename": "result.json"}
+             "--seed": 0, "--ready-check-timeout-sec": 0, "--result-filename": "result.json",
+             "--percentile-metrics": "ttft,tpot,itl,e2el", "--metric-percentiles": percentiles}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-bench-") as out:
         subprocess.run([sys.executable, "-c", VLLM_BENCH, *(str(x) for kv in flags.items() for x in kv),
                         "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", out],
@@ -85,7 +93,7 @@ def vllm_bench(server: Server, model_path: str, n: int, prompts: int, output_tok
         result = json.loads((Path(out) / "result.json").read_text())
     if result["completed"] != prompts:
         raise RuntimeError(f"vllm bench: {result['completed']} of {prompts} requests completed")
-    return Load(tokens_per_s=result["output_throughput"], ttft=result["median_ttft_ms"] / 1000)
+    return result
 
 
 def _record_loads(model: str, n: int, loads: dict[str, Load], results: Results) -> None:

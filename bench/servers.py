@@ -132,12 +132,14 @@ class Endpoint(Server):
     what = "the local endpoint"
 
     def __init__(self, env: dict[str, str], log_path: Path, handler: Path | None = None,
-                 traced: bool = False, workers: int = 1) -> None:
+                 traced: bool = False, workers: int = 1, job_take_delay: float = 0.0) -> None:
         """``handler``: another worker script than src/handler.py (whose start-up is then not measured);
-        ``traced``: run the endpoint under ``bench/trace_endpoint.py``, which stamps its job path."""
+        ``traced``: run the endpoint under ``bench/trace_endpoint.py``, which stamps its job path;
+        ``job_take_delay``: seconds the endpoint waits before it hands a worker the jobs it took."""
         self.handler, self.workers = handler, workers
         launcher = [str(REPO / "bench" / "trace_endpoint.py")] if traced else ["-m", "endpoint"]
         super().__init__([sys.executable, *launcher, "--workers", str(workers),
+                          "--job-take-delay", str(job_take_delay),
                           *(["--handler", str(handler)] if handler else [])], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
 

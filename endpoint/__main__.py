@@ -223,7 +223,8 @@ async def announce_ready(supervisor: Supervisor, started: float) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     store = JobStore(execution_timeout=args.execution_timeout or None)
-    config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key)
+    config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key,
+                            job_take_delay=args.job_take_delay)
     runner = web.AppRunner(create_app(config, store), handler_cancellation=True)  # client gone: stop its job
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -270,6 +271,9 @@ def main() -> None:
     parser.add_argument("--execution-timeout", type=float, default=600.0, metavar="SECONDS",
                         help="stop a job in progress longer than this, as RunPod's endpoint setting "
                              "(default: 600, RunPod's default; 0: no limit)")
+    parser.add_argument("--job-take-delay", type=float, default=0.0, metavar="SECONDS",
+                        help="answer each job-take request that carries jobs this long after taking them, "
+                             "as RunPod's queue is a network round trip away (default: 0)")
     parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     asyncio.run(serve(parser.parse_args()))

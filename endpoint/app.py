@@ -44,6 +44,9 @@ class EndpointConfig:
     runsync_wait_seconds: float = 90.0  # /runsync only: OpenAI routes wait for their job
     stream_wait_seconds: float = 10.0
     worker_alive_seconds: float = 30.0
+    # Each job-take answer that carries jobs is sent this long after they were taken: RunPod's queue
+    # is a network round trip away from its workers (here, 1 ms).
+    job_take_delay: float = 0.0
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -245,6 +248,7 @@ class Endpoint:
         jobs = await self.store.take(worker, count, LONG_POLL_SECONDS)
         if not jobs:
             return web.Response(status=204)
+        await asyncio.sleep(self.config.job_take_delay)
         payload = [{"id": j.id, "input": j.input} for j in jobs]
         return web.json_response(payload if batch else payload[0])
 

@@ -177,15 +177,25 @@ def _import_serving() -> None:
 
 
 def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEngine, Concurrency]:
-    """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold)."""
+    """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold), whose
+    KV budget the engine's admission gate keeps (which requests vLLM runs)."""
+    from worker.engine.admission import Admission
     from worker.engine.vllm_engine import vLLMEngine
     from worker.scheduling.concurrency import Concurrency
 
-    jobs = Concurrency(config.settings.min_concurrency, config.settings.max_concurrency,
-                       held=lambda: deadlines.running)
-    # A fixed number needs no scheduler statistics (which cost the engine some CPU per token).
-    engine = vLLMEngine(config, warm_up=warm_up, on_load=None if jobs.fixed else jobs.observe)
+    settings = config.settings
+    jobs = Concurrency(settings.min_concurrency, settings.max_concurrency, held=lambda: deadlines.running,
+                       take_latency=settings.job_take_latency)
+    # A fixed number needs no scheduler statistics (which cost the engine some CPU per token), and
+    # no gate: the jobs held all go to vLLM, as worker-vllm's do.
+    gate = None if jobs.fixed else Admission(lambda: jobs.kv)
+    engine = vLLMEngine(config, warm_up=False, on_load=None if jobs.fixed else jobs.observe,
+                        admitted=gate.admitted if gate else None)
     jobs.set_cap(engine.max_concurrency)
+    if gate and (kv_cache := engine.kv_cache):  # else requests pass the gate uncounted
+        jobs.set_kv_cache(*kv_cache)
+    if warm_up:
+        engine.warm_up().result()
     return engine, jobs
 
 

@@ -17,7 +17,8 @@ import logging
 import os
 import re
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from http import HTTPStatus
 from pathlib import Path
 
@@ -63,6 +64,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.utils.gc_utils import freeze_gc_heap
 from vllm.utils.import_utils import import_from_path
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
+from vllm.v1.engine import EngineCoreRequest, FinishReason
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
@@ -77,7 +79,7 @@ __all__ = [
     "unsupported_architectures",
     "engine_arg_dests", "engine_args_from", "engine_config_message",
     "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_fatal",
-    "load_chat_template", "LoadObserver", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
+    "Admitted", "gate_requests", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
     "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
     "SamplingParams", "start_engine", "TokensPrompt", "validate_frontend_args", "visible_gpu_count",
     "VllmConfig",
@@ -401,9 +403,11 @@ def _keep_precompiled_headers(entry: Path) -> None:
 
 
 # What the engine reports after each step (``start_engine``'s ``on_load``), as keyword arguments:
-# running, waiting, kv_usage (0-1), and the requests started, finished and preempted in that step.
+# running, waiting, kv_usage (0-1), the requests started, finished and preempted in that step, and
+# those that finished (not aborted) as (prompt tokens, output tokens, max_tokens).
 LoadObserver = Callable[..., None]
 _NO_OUTPUT = IterationStats()  # a step that produced no output started and finished nothing
+_ENDED_EARLY = frozenset({FinishReason.ABORT, FinishReason.ERROR})  # their length says nothing
 
 
 def _load_tap(on_load: LoadObserver) -> type[AggregateStatLoggerBase]:
@@ -422,10 +426,13 @@ def _load_tap(on_load: LoadObserver) -> type[AggregateStatLoggerBase]:
                                        scheduler_stats.kv_cache_usage)
             running, waiting, kv_usage = (sum(column) for column in zip(*self.latest.values(), strict=True))
             step = iteration_stats or _NO_OUTPUT
+            finished = step.finished_requests
             on_load(running=running, waiting=waiting, kv_usage=kv_usage / len(self.latest),
                     # first tokens: a preempted request that resumes is not counted again
-                    started=len(step.time_to_first_tokens_iter), finished=len(step.finished_requests),
-                    preempted=step.num_preempted_reqs)
+                    started=len(step.time_to_first_tokens_iter), finished=len(finished),
+                    preempted=step.num_preempted_reqs,
+                    outputs=tuple((f.num_prompt_tokens, f.num_generation_tokens, f.max_tokens_param)
+                                  for f in finished if f.finish_reason not in _ENDED_EARLY))
 
         def log_engine_initialized(self) -> None:
             pass
@@ -433,12 +440,18 @@ def _load_tap(on_load: LoadObserver) -> type[AggregateStatLoggerBase]:
     return LoadTap
 
 
+# ``admitted(prompt_tokens, max_tokens, n)``: entered before a request reaches vLLM, left when it has
+# ended (``engine/admission.Admission.admitted``).
+Admitted = Callable[[int, int | None, int], AbstractAsyncContextManager[None]]
+
+
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
-                 on_load: LoadObserver | None = None) -> AsyncLLM:
+                 on_load: LoadObserver | None = None, admitted: Admitted | None = None) -> AsyncLLM:
     """AsyncLLM as `vllm serve` builds it, from the configuration made by ``create_engine_config``
     (on the CPU, with its compiled kernels kept as a cache entry; without Prometheus metrics);
     ``on_load`` gets the scheduler's state after each step (see ``_load_tap``): vLLM then collects
-    statistics even with ``disable_log_stats`` (without logging them)."""
+    statistics even with ``disable_log_stats`` (without logging them); every request to generate
+    enters ``admitted`` first (``gate_requests``)."""
     _cpu_compile_cache(vllm_config)
     llm = AsyncLLM.from_vllm_config(
         vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
@@ -446,7 +459,55 @@ def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
         disable_log_stats=engine_args.disable_log_stats,
         stat_loggers=[_load_tap(on_load)] if on_load else None)
     _drop_prometheus(llm)
+    if admitted is not None:
+        gate_requests(llm, admitted)
     return llm
+
+
+def gate_requests(llm: AsyncLLM, admitted: Admitted) -> None:
+    """Every ``llm.generate`` (the raw path's, and vLLM's serving classes', which call the engine
+    client they were given: this llm) enters ``admitted`` with the request's size before vLLM sees
+    it, and leaves it when the request has ended, however it ends."""
+    generate = llm.generate
+
+    async def generate_once_admitted(prompt, sampling_params: SamplingParams, request_id: str,
+                                     *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        async with admitted(prompt_tokens(prompt), sampling_params.max_tokens, sampling_params.n):
+            async for output in generate(prompt, sampling_params, request_id, *args, **kwargs):
+                yield output
+
+    llm.generate = generate_once_admitted
+
+
+def prompt_tokens(prompt) -> int:
+    """A prompt's tokens as ``AsyncLLM.generate`` gets it: a request vLLM's renderer built, a dict of
+    token ids or embeddings, an encoder-decoder pair (the decoder's: the encoder's output is not in
+    the KV cache's blocks); 0 for a text prompt or a streamed input (not tokenized yet)."""
+    if isinstance(prompt, EngineCoreRequest):
+        prompt = {"prompt_token_ids": prompt.prompt_token_ids, "prompt_embeds": prompt.prompt_embeds}
+    if not isinstance(prompt, dict):
+        return 0
+    if "decoder_prompt" in prompt:
+        return prompt_tokens(prompt["decoder_prompt"] or {})
+    if prompt.get("prompt_token_ids") is not None:
+        return len(prompt["prompt_token_ids"])
+    embeds = prompt.get("prompt_embeds")
+    return len(embeds) if embeds is not None else 0
+
+
+def kv_cache_size(llm: AsyncLLM) -> tuple[int, int, int] | None:
+    """The KV cache's usable blocks (over data-parallel engines; less each one's null block, which
+    vLLM keeps out of use), the tokens a block holds, and the model's context length. None when a
+    request does not hold a block per ``block_size`` tokens of its own in every layer: sliding-window
+    attention, state-space layers (hybrid models), no attention, an encoder-decoder's cross-attention."""
+    config = llm.vllm_config
+    model = config.model_config
+    if (model.is_attention_free or model.is_hybrid or model.is_encoder_decoder
+            or model.get_sliding_window() is not None):
+        return None
+    engines = config.parallel_config.data_parallel_size
+    return ((config.cache_config.num_gpu_blocks or 0) - engines, config.cache_config.block_size,
+            config.model_config.max_model_len)
 
 
 def _drop_prometheus(llm: AsyncLLM) -> None:

@@ -5,9 +5,12 @@ waiting requests, KV-cache usage, requests started, finished and preempted; benc
 
 - Two workers share a burst of 200 jobs: both take work at once, and neither lets its engine queue
   jobs while the other has free slots.
-- One worker with a KV cache too small for the jobs it is given: the jobs it holds settle at what
-  fits, later bursts preempt a few requests at most (the first finds the limit by preempting), and
-  every job completes.
+- One worker with a KV cache too small for the jobs it is given: from the first burst on, vLLM runs
+  what fits whole and never preempts, the worker holds what fits and a few more, and every job
+  completes.
+- Two such workers with a slow job take (the endpoint's ``--job-take-delay``): both take their share,
+  each holds a few jobs beyond what fits (those finishing in one job take), never more, and neither
+  preempts.
 
 ``-s`` prints each worker's jobs held and vLLM's waiting requests over time.
 """
@@ -24,7 +27,7 @@ from local_endpoint import API_KEY, LocalEndpoint
 
 from bench.load_trace import (TRACE_WORKER, failures, queued_while_others_had_room, raw_job, read_all, report,
                               run_burst, trace_env)
-from worker.scheduling.concurrency import GROWTH, START
+from worker.scheduling.concurrency import QUEUE_SHARE, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
 
@@ -89,11 +92,7 @@ def small_kv_worker(models, tmp_path_factory):
     endpoint.stop()
 
 
-# Fails about one run in two, at 56593c5 as now: the first burst finds the limit by preempting,
-# and when the target has not fallen to what fits by its end, the second burst is taken whole
-# and preempted again. Admitting what fits without probing is issue 30, which removes this mark.
-@pytest.mark.xfail(strict=False, reason="issue 30: the first burst probes the KV limit by preempting")
-def test_on_a_small_kv_cache_the_jobs_held_settle_at_what_fits(small_kv_worker):
+def test_on_a_small_kv_cache_the_engine_runs_what_fits_from_the_first_burst(small_kv_worker):
     endpoint, folder = small_kv_worker
     kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", endpoint.log())[1].replace(",", ""))
     first_submitted, first = burst(endpoint, LONG_JOBS, LONG_TOKENS)
@@ -102,18 +101,53 @@ def test_on_a_small_kv_cache_the_jobs_held_settle_at_what_fits(small_kv_worker):
     blocks = kv_tokens // BLOCK - 1  # less vLLM's null block: as many requests fit as they start
     fits = blocks // math.ceil((prompt + LONG_TOKENS) / BLOCK)
     (trace,) = read_all(folder).values()
-    preempted_first = sum(s.preempted for s in trace if first_submitted <= s.at < second_submitted)
+    first_trace = [s for s in trace if first_submitted <= s.at < second_submitted]
     later = [s for s in trace if s.at >= second_submitted]
-    preempted_later = sum(s.preempted for s in later)
     print(f"\n{LONG_JOBS}, then {LONG_JOBS // 2} jobs of {prompt}+{LONG_TOKENS} tokens on {kv_tokens} tokens "
-          f"of KV cache ({fits} fit whole):\n{report({'worker': trace}, first_submitted, every=1.0)}\n"
-          f"preempted: {preempted_first} in the first burst, {preempted_later} in the second")
-    # The first burst finds the limit by preemption. After it, a round's KV peak can still
-    # underestimate what requests of different ages need, so a rise may pass the limit by a job or
-    # two and cost a preemption or so before the target falls back (a run saw 16, 1, then 15).
-    assert preempted_first > 0
-    assert preempted_later <= preempted_first // 4
-    # Held jobs stay near what fits whole, well below what fits as they start (vLLM admits a request
-    # whose prompt fits: what `vllm serve` would run), and settle there, not collapsed.
-    assert max(s.held for s in later) <= fits * GROWTH < blocks
-    assert fits // 2 <= later[-1].target <= fits * GROWTH
+          f"of KV cache ({fits} fit whole):\n{report({'worker': trace}, first_submitted, every=1.0)}")
+    # Each request enters vLLM once the cache holds what it will need: vLLM runs what fits whole from
+    # the first burst on (it would admit every request whose prompt fits: twice as many), and never
+    # preempts.
+    assert max(s.running for s in trace) == fits
+    assert sum(s.preempted for s in trace) == 0
+    # The worker holds what fits and a few more waiting for room (as many as finish during one
+    # job-take round trip, at most a quarter more), not the whole burst.
+    assert max(s.held for s in first_trace + later) <= fits + math.ceil(QUEUE_SHARE * fits)
+    assert all(fits <= s.target <= fits + math.ceil(QUEUE_SHARE * fits) for s in later)
+
+
+# --- two workers, a small KV cache each, a slow job take ------------------------------------------
+
+
+TAKE_DELAY = 0.2  # seconds: the endpoint hands a worker the jobs it took this long afterwards
+
+
+@pytest.fixture(scope="module")
+def two_small_kv_workers(models, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("two-small-kv")
+    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), JOB_TAKE_LATENCY=str(TAKE_DELAY))
+    endpoint = LocalEndpoint({**env, **trace_env(folder, pin_engines=True)}, 2, folder / "endpoint.log",
+                             handler=str(TRACE_WORKER), args=("--job-take-delay", str(TAKE_DELAY)))
+    yield endpoint, folder
+    endpoint.stop()
+
+
+def test_with_a_slow_job_take_each_worker_holds_a_few_jobs_beyond_what_fits_and_no_more(two_small_kv_workers):
+    endpoint, folder = two_small_kv_workers
+    submitted, statuses = burst(endpoint, 2 * LONG_JOBS, LONG_TOKENS)
+    prompt = statuses[0]["output"][0]["usage"]["input"]
+    kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", endpoint.log())[1].replace(",", ""))
+    fits = (kv_tokens // BLOCK - 1) // math.ceil((prompt + LONG_TOKENS) / BLOCK)
+    traces = read_all(folder, since=submitted)
+    print(f"\n{2 * LONG_JOBS} jobs of {prompt}+{LONG_TOKENS} tokens, {fits} fit in each worker, "
+          f"{TAKE_DELAY} s job take:\n{report(traces, submitted, every=0.5)}")
+    assert len(traces) == 2
+    ran = {worker: sum(s["workerId"] == worker for s in statuses) for worker in traces}
+    assert all(count >= fits for count in ran.values()), ran  # both took their share
+    for trace in traces.values():
+        assert max(s.running for s in trace) == fits and not sum(s.preempted for s in trace)
+        # The worker asks for jobs beyond what fits, to wait in it for room (a freed slot is refilled
+        # without a job-take round trip), a few at most: the rest stay at RunPod for whichever worker
+        # frees a slot first.
+        assert fits < max(s.target for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
+        assert max(s.held for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)

@@ -1,16 +1,21 @@
-"""The concurrency controller on the real engine: vLLM's scheduler feeds it after each step, and a
-worker full of jobs the engine runs at once is given more (whole workers behind the local
-endpoint: tests/endpoint/test_adaptive_concurrency.py)."""
+"""The concurrency controller on the real engine: vLLM's scheduler feeds it after each step, a
+worker full of jobs the engine runs at once is given more, and through the admission gate vLLM runs
+what the KV budget holds (whole workers behind the local endpoint:
+tests/endpoint/test_adaptive_concurrency.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
+import pytest
 from conftest import LOAD_FEED
 
 import handler
-from worker.scheduling.concurrency import START, Concurrency
+from worker.engine.admission import Admission
+from worker.jobs.job_input import JobInput
+from worker.scheduling.concurrency import START, Concurrency, KvBudget
+from worker.vllm_adapter import gate_requests
 
 
 @contextlib.contextmanager
@@ -57,3 +62,49 @@ def test_a_full_worker_whose_engine_runs_every_job_is_given_more(tiny_engine, mo
 def test_the_engine_feeds_the_controller_and_keeps_no_prometheus_metrics(tiny_engine):
     # /metrics is not served: vLLM's Prometheus logger would only cost CPU per token.
     assert [type(logger).__name__ for logger in tiny_engine.llm.logger_manager.stat_loggers] == ["LoadTap"]
+
+
+# --- the admission gate -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gated(tiny_engine, monkeypatch):
+    """The tiny engine's requests through an admission gate over a budget of ``BUDGET_BLOCKS``."""
+    budget = KvBudget(BUDGET_BLOCKS, BLOCK, context=tiny_engine.llm.vllm_config.model_config.max_model_len)
+    gate = Admission(lambda: budget)
+    monkeypatch.setattr(tiny_engine.llm, "generate", tiny_engine.llm.generate)  # restored afterwards
+    gate_requests(tiny_engine.llm, gate.admitted)
+    monkeypatch.setattr(handler, "vllm_engine", tiny_engine)
+    return budget, gate
+
+
+BUDGET_BLOCKS, BLOCK = 10, 128  # requests of a few prompt tokens and 64 more: 1 block each
+
+
+def test_through_the_gate_vllm_runs_what_the_budget_holds_and_every_job_completes(gated):
+    budget, gate = gated
+    loads: list[dict] = []
+    with observed(Concurrency(1, 256, held=lambda: 0), loads):
+        results = run_at_once(40, max_tokens=64)
+    assert [r[0]["usage"]["output"] for r in results] == [64] * 40
+    assert max(load["running"] + load["waiting"] for load in loads) == BUDGET_BLOCKS
+    assert sum(load["finished"] for load in loads) == 40
+    assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)  # every request gave its room back
+
+
+def test_openai_requests_are_planned_at_their_tokens_and_n(gated, tiny_openai):
+    budget, _ = gated
+    planned: list[tuple] = []
+    need = budget.need
+    budget.need = lambda prompt, max_tokens, n=1: planned.append((prompt, max_tokens, n)) or need(
+        prompt, max_tokens, n)
+    body = {"model": "tiny-lora", "prompt": [1, 2, 3, 4, 5, 6, 7], "max_tokens": 3, "n": 2}
+    job = {"id": "gated-openai", "input": {"openai_route": "/v1/completions", "openai_input": body}}
+
+    async def answer() -> list:
+        return [item async for item in tiny_openai.generate(JobInput.from_job(job))]
+
+    (completion,) = asyncio.run(answer())
+    assert len(completion["choices"]) == 2 and completion["usage"]["completion_tokens"] == 6
+    assert planned == [(7, 3, 2)]
+    assert (budget.used, budget.admitted) == (0, 0)

@@ -9,7 +9,9 @@ import math
 
 import pytest
 
-from worker.scheduling.concurrency import KV_HEADROOM, PATIENCE, START, Concurrency
+from worker.scheduling.concurrency import (DEFAULT_OUTPUT_TOKENS, KV_HEADROOM, MIN_OUTPUTS, OUTPUT_WINDOW,
+                                           PATIENCE, QUEUE_SHARE,
+                                           RATE_SECONDS, START, Concurrency, KvBudget)
 
 
 class Held:
@@ -173,7 +175,7 @@ class ToyEngine:
         return self.blocks - sum(self.used.values())
 
     def step(self) -> dict:
-        preempted = resumed = started = finished = 0
+        preempted = resumed = started = 0
         for request in list(self.running):
             while request in self.running and math.ceil((request["done"] + 1) / self.BLOCK) > self.used[
                     id(request)]:
@@ -193,28 +195,43 @@ class ToyEngine:
             started += not request.setdefault("started", False)
             resumed += request.pop("preempted", False)
             request["started"] = True
+        self.ended = []
         for request in list(self.running):
             request["done"] += 1
             if request["done"] >= request["prompt"] + request["out"]:
                 self.running.remove(request)
                 del self.used[id(request)]
-                finished += 1
+                self.ended.append(request)
         self.preemptions += preempted
         return {"running": len(self.running), "waiting": len(self.waiting),
-                "kv_usage": sum(self.used.values()) / self.blocks, "started": started, "finished": finished,
-                "preempted": resumed}
+                "kv_usage": sum(self.used.values()) / self.blocks, "started": started,
+                "finished": len(self.ended), "preempted": resumed,
+                "outputs": tuple((r["prompt"], r["out"], r["out"]) for r in self.ended)}
 
 
-def run_toy(blocks: int, clients: int, prompt: int, out: int, steps: int) -> tuple[ToyEngine, list[int]]:
+def run_toy(blocks: int, clients: int, prompt: int, out: int, steps: int, gated: bool = False,
+            sizes: list[tuple[int, int]] | None = None) -> tuple[ToyEngine, list[int]]:
     """``clients`` in a closed loop (each sends its next request when one ends) through a worker whose
-    job loop fills its slots up to the target before each step; the target after each step."""
+    job loop fills its slots up to the target before each step; the target after each step. ``gated``:
+    the worker knows the KV cache (less vLLM's null block) and a request enters the engine once the
+    budget holds it (``engine/admission``, synchronously); ``sizes``: (prompt, out) of request i, in turn.
+    """
     engine, held, queued, targets = ToyEngine(blocks), Held(), clients, []
-    jobs = Concurrency(1, 256, held)
+    jobs, gate, sent = Concurrency(1, 256, held, take_latency=0.5, clock=lambda: len(targets)), [], 0
+    if gated:
+        jobs.set_kv_cache(blocks - 1, ToyEngine.BLOCK, 8192)
     for _ in range(steps):
         for _ in range(max(0, min(queued, jobs.target - held.count))):
-            engine.waiting.append({"prompt": prompt, "out": out, "done": prompt})
-            held.count, queued = held.count + 1, queued - 1
+            size = sizes[sent % len(sizes)] if sizes else (prompt, out)
+            request = {"prompt": size[0], "out": size[1], "done": size[0]}
+            (gate if gated else engine.waiting).append(request)
+            held.count, queued, sent = held.count + 1, queued - 1, sent + 1
+        while gate and jobs.kv.fits(blocks := jobs.kv.need(gate[0]["prompt"], gate[0]["out"])):
+            jobs.kv.admit(blocks)
+            engine.waiting.append({**gate.pop(0), "blocks": blocks})
         load = engine.step()
+        for request in engine.ended if gated else ():
+            jobs.kv.release(request["blocks"])
         held.count, queued = held.count - load["finished"], queued + load["finished"]
         jobs.observe(**load)
         targets.append(jobs.target)
@@ -235,3 +252,106 @@ def test_on_a_small_kv_cache_the_target_settles_where_every_request_fits_and_pre
 def test_with_room_for_every_client_the_target_follows_the_clients_and_nothing_waits():
     engine, targets = run_toy(blocks=2000, clients=128, prompt=70, out=128, steps=1000)
     assert engine.preemptions == 0 and targets[-1] >= 128 and targets[-1] == targets[10]
+
+
+# --- what fits: the KV budget ----------------------------------------------------------------------
+
+
+def test_a_request_is_planned_at_its_prompt_and_max_tokens_until_outputs_are_known():
+    kv = KvBudget(blocks=85, block_size=128, context=8192)
+    assert kv.need(79, 128) == 2  # 207 tokens
+    assert kv.need(79, 49) == 1  # 128 tokens: one block
+    assert kv.need(79, 128, n=3) == 6  # each sequence grows its own blocks
+    assert kv.need(100, 4000) == 33  # the most it can take: no preemption to find the limit
+    # No max_tokens, or one that reaches the end of the context (what vLLM's serving sets when the
+    # client gave none): DEFAULT_OUTPUT_TOKENS.
+    assert kv.need(100, None) == kv.need(100, 8092) == math.ceil((100 + DEFAULT_OUTPUT_TOKENS) / 128)
+
+
+def test_outputs_are_planned_from_what_the_recent_requests_took():
+    kv = KvBudget(blocks=85, block_size=128, context=8192)
+    for _ in range(MIN_OUTPUTS - 1):
+        kv.finished(100, 300, 4000)  # chat answers: far below the max_tokens their clients set
+        kv.finished(100, 200, 8092)  # no max_tokens: vLLM's serving set what the context leaves
+    assert kv.planned_output(100, 4000) == 4000 and kv.planned_output(100, None) == DEFAULT_OUTPUT_TOKENS
+    kv.finished(100, 300, 4000)
+    kv.finished(100, 200, 8092)
+    assert kv.planned_output(100, 4000) == kv.planned_output(100, 2000) == 300
+    assert kv.planned_output(100, 50) == 50  # at most its own max_tokens
+    assert kv.planned_output(100, None) == kv.planned_output(100, 8092) == 200
+    for _ in range(OUTPUT_WINDOW):  # answers that run to their max_tokens, whatever it is
+        kv.finished(100, 1000, 1000)
+        kv.finished(100, 10, 10)
+    assert kv.planned_output(100, 2000) == 2000 and kv.planned_output(100, 40) == 40
+
+
+def test_the_plan_is_a_high_quantile_of_the_recent_requests():
+    kv = KvBudget(blocks=85, block_size=128)
+    for tokens in [100] * 80 + [900] * 20:  # a fifth of the answers are long
+        kv.finished(10, tokens, None)
+    assert kv.planned_output(10, None) == 900
+    for tokens in [100] * 190 + [900] * 10:  # 1 in 20 of the last 200
+        kv.finished(10, tokens, None)
+    assert kv.planned_output(10, None) == 100
+
+
+def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters():
+    kv = KvBudget(blocks=10, block_size=128)
+    assert kv.requests_that_fit() is None  # no request seen yet: nothing to size jobs by
+    big = kv.need(1000, 2000)  # 24 blocks: more than the whole cache
+    assert kv.fits(big)  # alone: vLLM judges it (it may still run, or answer it cannot)
+    kv.admit(big)
+    assert not kv.fits(1)
+    kv.release(big)
+    for _ in range(4):
+        assert kv.fits(2)
+        kv.admit(kv.need(79, 128))  # 2 blocks each
+    assert (kv.used, kv.admitted) == (8, 4)
+    assert kv.fits(2) and not kv.fits(3)
+
+
+def test_what_fits_counts_the_requests_in_vllm_and_mixed_sizes_by_their_mean():
+    kv = KvBudget(blocks=60, block_size=128)
+    sizes = [kv.need(100, 100), kv.need(100, 500), kv.need(100, 1000)]  # 2, 5 and 9 blocks
+    assert sizes == [2, 5, 9]
+    assert kv.requests_that_fit() == 11  # 60 blocks of requests of 16 / 3 blocks on average
+    for blocks in sizes:
+        kv.admit(blocks)
+    assert kv.requests_that_fit() == 3 + 8  # 44 free blocks: 8 more of the mean size
+    kv.admit(44)  # a big one fills the cache
+    assert kv.requests_that_fit() == 4
+
+
+def test_with_the_kv_cache_known_the_target_is_what_fits_and_those_finishing_in_one_job_take():
+    now = [0.0]
+    held = Held(16)
+    jobs = Concurrency(1, 256, held, take_latency=0.5, clock=lambda: now[0])
+    jobs.set_kv_cache(86, 128, 8192)
+    for _ in range(16):
+        jobs.kv.admit(jobs.kv.need(79, 128))  # 2 blocks each: 43 fit
+    assert jobs.target == START  # the ramp still bounds a fresh worker: others share the burst
+    for _ in range(5):
+        held.count = jobs.target
+        step(jobs, running=min(held.count, 43))
+    assert jobs.target == 43  # nothing finished yet: no queue
+    # 40 requests finished within RATE_SECONDS: 4 a second, 2 in one job take of 0.5 s.
+    for _ in range(4):
+        now[0] += 1
+        step(jobs, running=43, finished=10)
+    assert jobs.target == 43 + 2
+    jobs.take_latency = 60  # bounded: a job that could start on another worker does not wait here
+    assert jobs.target == 43 + math.ceil(QUEUE_SHARE * 43)
+    now[0] += RATE_SECONDS + 1
+    step(jobs, running=43)
+    assert jobs.target == 43
+
+
+@pytest.mark.parametrize("sizes", [
+    [(79, 128)],  # the bench's requests: 2 blocks each
+    [(70, 240), (600, 40), (20, 1000), (300, 300)],  # mixed: 3, 6, 9 and 5 blocks
+])
+def test_gated_by_the_budget_the_first_burst_fits_without_a_preemption(sizes):
+    engine, targets = run_toy(blocks=86, clients=64, prompt=0, out=0, steps=3000, gated=True, sizes=sizes)
+    assert engine.preemptions == 0
+    ungated, _ = run_toy(blocks=86, clients=64, prompt=0, out=0, steps=3000, sizes=sizes)
+    assert ungated.preemptions > 0  # the same load, ungated, finds the limit by preempting

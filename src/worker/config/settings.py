@@ -75,6 +75,10 @@ class WorkerSettings(BaseModel):
     # Jobs held at once: adaptive (scheduling/concurrency) between these; no maximum: vLLM's max_num_seqs.
     max_concurrency: int | None = Field(None, ge=1, validation_alias=_env("MAX_CONCURRENCY"))
     min_concurrency: int = Field(1, ge=1, validation_alias=_env("MIN_CONCURRENCY"))
+    # Seconds from asking RunPod for a job to holding it: the worker holds as many more jobs as finish
+    # in that time, waiting for room, so that a freed slot is refilled at once (scheduling/concurrency).
+    job_take_latency: float = Field(0.1, ge=0, le=60, allow_inf_nan=False,
+                                    validation_alias=_env("JOB_TAKE_LATENCY"))
     max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
     min_batch_size: int = Field(
         1, ge=1, validation_alias=_env("MIN_BATCH_SIZE", "DEFAULT_MIN_BATCH_SIZE"))

@@ -29,12 +29,14 @@ from worker.jobs.batching import batched, job_batch_size
 from worker.jobs.job_input import JobInput
 from worker.vllm_adapter import (
     POOLING_TASKS,
+    Admitted,
     AsyncLLM,
     LoadObserver,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
     compiles,
+    kv_cache_size,
     load_chat_template,
     max_num_seqs,
     start_engine,
@@ -73,10 +75,10 @@ def _new_tokens(output: RequestOutput) -> int:
     return sum(len(completion.token_ids) for completion in completions)
 
 
-async def _start(args: ResolvedArgs, on_load: LoadObserver | None) -> AsyncLLM:
+async def _start(args: ResolvedArgs, on_load: LoadObserver | None, admitted: Admitted | None) -> AsyncLLM:
     # Built inside the engine's private loop, which its output handler then belongs to. Building
     # the engine configuration first raises ConfigError for combinations vLLM rejects.
-    return start_engine(args.engine_config(), args.engine_args, on_load)
+    return start_engine(args.engine_config(), args.engine_args, on_load, admitted)
 
 
 class FromParts:
@@ -99,15 +101,16 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
     """Builds the engine at construction (slow: loads the model) and serves raw jobs."""
 
     def __init__(self, config: WorkerConfig | None = None, *, warm_up: bool = True,
-                 on_load: LoadObserver | None = None) -> None:
+                 on_load: LoadObserver | None = None, admitted: Admitted | None = None) -> None:
         """``warm_up=False`` leaves the warm-up request to the caller (``warm_up()``), which may
         run it beside other start-up work. ``on_load`` gets vLLM's scheduler state after each engine
-        step (``concurrency.Concurrency.observe``)."""
+        step (``concurrency.Concurrency.observe``); every request enters ``admitted`` before vLLM sees
+        it (``admission.Admission.admitted``)."""
         config = config or load_config()
         loop = BackgroundLoop("vllm-engine")
         started = time.perf_counter()
         try:
-            llm = loop.run(_start(config.args, on_load))
+            llm = loop.run(_start(config.args, on_load, admitted))
         except BaseException:
             loop.close()  # a failed start may be tried again: leave no loop thread behind
             raise
@@ -166,6 +169,12 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
     def compiles(self) -> bool:
         """Whether the engine compiled the model (torch.compile), using the compile cache."""
         return compiles(self.llm.vllm_config)
+
+    @property
+    def kv_cache(self) -> tuple[int, int, int] | None:
+        """The KV cache's usable blocks, the tokens a block holds, and the model's context length;
+        None when requests' blocks are not their tokens over the block size (``kv_cache_size``)."""
+        return kv_cache_size(self.llm)
 
     @property
     def max_concurrency(self) -> int:
