@@ -404,7 +404,8 @@ def _keep_precompiled_headers(entry: Path) -> None:
 
 # What the engine reports after each step (``start_engine``'s ``on_load``), as keyword arguments:
 # running, waiting, kv_usage (0-1), the requests started, finished and preempted in that step, and
-# those that finished (not aborted) as (prompt tokens, output tokens, max_tokens).
+# those that finished (not aborted) as (prompt tokens, output tokens, max_tokens, prompt tokens found
+# in the prefix cache).
 LoadObserver = Callable[..., None]
 _NO_OUTPUT = IterationStats()  # a step that produced no output started and finished nothing
 _ENDED_EARLY = frozenset({FinishReason.ABORT, FinishReason.ERROR})  # their length says nothing
@@ -431,8 +432,8 @@ def _load_tap(on_load: LoadObserver) -> type[AggregateStatLoggerBase]:
                     # first tokens: a preempted request that resumes is not counted again
                     started=len(step.time_to_first_tokens_iter), finished=len(finished),
                     preempted=step.num_preempted_reqs,
-                    outputs=tuple((f.num_prompt_tokens, f.num_generation_tokens, f.max_tokens_param)
-                                  for f in finished if f.finish_reason not in _ENDED_EARLY))
+                    outputs=tuple((f.num_prompt_tokens, f.num_generation_tokens, f.max_tokens_param,
+                                   f.num_cached_tokens) for f in finished if f.finish_reason not in _ENDED_EARLY))
 
         def log_engine_initialized(self) -> None:
             pass

@@ -97,6 +97,7 @@ def test_the_engine_calls_the_worker_makes_still_bind():
 def test_the_scheduler_feed_reads_what_this_release_reports():
     """The concurrency controller's feed (a stat logger) on this release's own statistics objects; and
     the logger list it drops vLLM's Prometheus logger from."""
+    from vllm.v1.engine import FinishReason
     from vllm.v1.metrics.loggers import StatLoggerManager
     from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
@@ -105,14 +106,33 @@ def test_the_scheduler_feed_reads_what_this_release_reports():
     step = IterationStats()
     step.time_to_first_tokens_iter += [0.1, 0.2]
     step.num_preempted_reqs = 1
-    step.finished_requests.append(FinishedRequestStats(finish_reason=None))
+    step.finished_requests += [  # an aborted request's length says nothing of what requests take
+        FinishedRequestStats(finish_reason=FinishReason.LENGTH, num_prompt_tokens=5, num_generation_tokens=7,
+                             max_tokens_param=7, num_cached_tokens=4),
+        FinishedRequestStats(finish_reason=FinishReason.ABORT, num_prompt_tokens=3, num_generation_tokens=1)]
     tap.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5), step, engine_idx=1)
     tap.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.1), None, engine_idx=0)
-    assert loads == [{"running": 3, "waiting": 2, "kv_usage": 0.25, "started": 2, "finished": 1, "preempted": 1},
-                     {"running": 4, "waiting": 2, "kv_usage": 0.3, "started": 0, "finished": 0, "preempted": 0}]
+    assert loads == [{"running": 3, "waiting": 2, "kv_usage": 0.25, "started": 2, "finished": 2, "preempted": 1,
+                      "outputs": ((5, 7, 7, 4),)},
+                     {"running": 4, "waiting": 2, "kv_usage": 0.3, "started": 0, "finished": 0, "preempted": 0,
+                      "outputs": ()}]
     # What _drop_prometheus edits: the engine's logger manager and its list of loggers.
     assert "self.logger_manager" in inspect.getsource(adapter.AsyncLLM.__init__)
     assert "self.stat_loggers" in inspect.getsource(StatLoggerManager.__init__)
+
+
+def test_the_admission_gate_reads_what_this_release_has():
+    """What the gate reads of a request (its prompt as ``generate`` gets it) and of the engine (its KV
+    cache's blocks, and whether requests hold a block per ``block_size`` tokens)."""
+    from vllm.config import CacheConfig, ModelConfig
+    from vllm.v1.engine import EngineCoreRequest
+
+    assert {"prompt_token_ids", "prompt_embeds"} <= set(EngineCoreRequest.__struct_fields__)
+    assert {"num_gpu_blocks", "block_size"} <= {f.name for f in dataclasses.fields(CacheConfig)}
+    for name in ("is_attention_free", "is_hybrid", "is_encoder_decoder", "get_sliding_window", "max_model_len"):
+        assert hasattr(ModelConfig, name) or name in ModelConfig.__dataclass_fields__, name
+    assert adapter.prompt_tokens({"prompt_token_ids": [1, 2, 3]}) == 3
+    assert adapter.prompt_tokens({"encoder_prompt": {}, "decoder_prompt": {"prompt_token_ids": [1]}}) == 1
 
 
 # --- 2. env → flag, for every flag ----------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 
 import pytest
 from conftest import LOAD_FEED
@@ -14,7 +15,7 @@ from conftest import LOAD_FEED
 import handler
 from worker.engine.admission import Admission
 from worker.jobs.job_input import JobInput
-from worker.scheduling.concurrency import START, Concurrency, KvBudget
+from worker.scheduling.concurrency import START, Concurrency
 from worker.vllm_adapter import gate_requests
 
 
@@ -27,10 +28,11 @@ def observed(jobs: Concurrency, loads: list[dict]):
         LOAD_FEED.observers.clear()
 
 
-def run_at_once(count: int, max_tokens: int) -> list[list]:
-    job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+def run_at_once(count: int, max_tokens: int, prompt: str = "Once upon a time") -> list[list]:
+    """``count`` raw jobs at once; ``{i}`` in ``prompt``: the job's index."""
 
     async def one(i: int) -> list:
+        job = {"prompt": prompt.format(i=i), "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
         return [item async for item in handler.handler({"id": f"c-{i}", "input": job})]
 
     async def every() -> list[list]:
@@ -69,13 +71,17 @@ def test_the_engine_feeds_the_controller_and_keeps_no_prometheus_metrics(tiny_en
 
 @pytest.fixture
 def gated(tiny_engine, monkeypatch):
-    """The tiny engine's requests through an admission gate over a budget of ``BUDGET_BLOCKS``."""
-    budget = KvBudget(BUDGET_BLOCKS, BLOCK, context=tiny_engine.llm.vllm_config.model_config.max_model_len)
-    gate = Admission(lambda: budget)
+    """The tiny engine's requests through an admission gate over a budget of ``BUDGET_BLOCKS``, kept
+    by a controller the engine's scheduler feeds."""
+    jobs = Concurrency(1, 256, held=lambda: 0)
+    jobs.set_kv_cache(BUDGET_BLOCKS, BLOCK, tiny_engine.llm.vllm_config.model_config.max_model_len)
+    gate = Admission(lambda: jobs.kv)
     monkeypatch.setattr(tiny_engine.llm, "generate", tiny_engine.llm.generate)  # restored afterwards
     gate_requests(tiny_engine.llm, gate.admitted)
     monkeypatch.setattr(handler, "vllm_engine", tiny_engine)
-    return budget, gate
+    LOAD_FEED.observers.append(jobs.observe)
+    yield jobs.kv, gate
+    LOAD_FEED.observers.clear()
 
 
 BUDGET_BLOCKS, BLOCK = 10, 128  # requests of a few prompt tokens and 64 more: 1 block each
@@ -84,8 +90,8 @@ BUDGET_BLOCKS, BLOCK = 10, 128  # requests of a few prompt tokens and 64 more: 1
 def test_through_the_gate_vllm_runs_what_the_budget_holds_and_every_job_completes(gated):
     budget, gate = gated
     loads: list[dict] = []
-    with observed(Concurrency(1, 256, held=lambda: 0), loads):
-        results = run_at_once(40, max_tokens=64)
+    LOAD_FEED.observers.append(lambda **load: loads.append(load))
+    results = run_at_once(40, max_tokens=64)
     assert [r[0]["usage"]["output"] for r in results] == [64] * 40
     assert max(load["running"] + load["waiting"] for load in loads) == BUDGET_BLOCKS
     assert sum(load["finished"] for load in loads) == 40
@@ -108,3 +114,50 @@ def test_openai_requests_are_planned_at_their_tokens_and_n(gated, tiny_openai):
     assert len(completion["choices"]) == 2 and completion["usage"]["completion_tokens"] == 6
     assert planned == [(7, 3, 2)]
     assert (budget.used, budget.admitted) == (0, 0)
+
+
+def test_a_prefix_the_requests_found_in_vllms_prefix_cache_is_planned_once(gated):
+    budget, _ = gated
+    prefix = "The lighthouse keeper counted the ships. " * 40
+    encode = handler.vllm_engine.tokenizer.encode
+    tokens, shared = len(encode(prefix + "Story 0:", add_special_tokens=True)), len(encode(prefix, add_special_tokens=True))
+    assert shared >= 2 * BLOCK
+    assert budget.need(tokens, 8) == math.ceil((tokens + 8) / BLOCK)  # no request finished yet
+    run_at_once(1, max_tokens=8, prompt=prefix + "Story 0:")  # fills vLLM's prefix cache
+    run_at_once(9, max_tokens=8, prompt=prefix + "Story {i}:")
+    # vLLM reported the prefix's whole blocks found cached: the plan holds them once, beside all.
+    own = budget.need(tokens, 8)
+    assert budget.prefix_blocks in ((shared - 1) // BLOCK, shared // BLOCK)
+    assert own == math.ceil((tokens - budget.prefix_blocks * BLOCK + 8) / BLOCK) < math.ceil((tokens + 8) / BLOCK)
+
+
+def test_a_job_stopped_while_it_waits_for_room_leaves_its_place(gated):
+    budget, gate = gated
+    long_job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
+    short_job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 64, "ignore_eos": True}}
+
+    async def until(condition) -> None:
+        async with asyncio.timeout(60):
+            while not condition():
+                await asyncio.sleep(0.01)
+
+    async def run(job_id: str, job: dict) -> list:
+        return [item async for item in handler.handler({"id": job_id, "input": job})]
+
+    async def scenario() -> tuple[list, int, list]:
+        # 1,000-token requests: 9 blocks each, one at a time in a budget of 10.
+        running = asyncio.create_task(run("stop-0", long_job))
+        await until(lambda: budget.admitted == 1)
+        waiting = asyncio.create_task(run("stop-1", long_job))  # no room: it waits in the gate
+        await until(lambda: gate.waiting == 1)
+        waiting.cancel()  # as the SDK cancels a stopped job's task
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        left = gate.waiting
+        short = await run("stop-2", short_job)  # 1 block: it fits beside the running one at once
+        return await running, left, short
+
+    first, waiting_after_stop, short = asyncio.run(scenario())
+    assert waiting_after_stop == 0
+    assert first[0]["usage"]["output"] == 1000 and short[0]["usage"]["output"] == 64
+    assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from worker.scheduling.concurrency import (DEFAULT_OUTPUT_TOKENS, KV_HEADROOM, MIN_OUTPUTS, OUTPUT_WINDOW,
-                                           PATIENCE, QUEUE_SHARE,
+                                           PATIENCE, QUEUE_SHARE, SIZE_WINDOW,
                                            RATE_SECONDS, START, Concurrency, KvBudget)
 
 
@@ -206,7 +206,7 @@ class ToyEngine:
         return {"running": len(self.running), "waiting": len(self.waiting),
                 "kv_usage": sum(self.used.values()) / self.blocks, "started": started,
                 "finished": len(self.ended), "preempted": resumed,
-                "outputs": tuple((r["prompt"], r["out"], r["out"]) for r in self.ended)}
+                "outputs": tuple((r["prompt"], r["out"], r["out"], 0) for r in self.ended)}
 
 
 def run_toy(blocks: int, clients: int, prompt: int, out: int, steps: int, gated: bool = False,
@@ -293,6 +293,23 @@ def test_the_plan_is_a_high_quantile_of_the_recent_requests():
     for tokens in [100] * 190 + [900] * 10:  # 1 in 20 of the last 200
         kv.finished(10, tokens, None)
     assert kv.planned_output(10, None) == 100
+
+
+def test_a_prompt_prefix_the_recent_requests_found_cached_is_planned_once():
+    kv = KvBudget(blocks=85, block_size=128)
+    assert kv.need(2100, 300) == 19  # 2,400 tokens: no request has finished yet
+    for _ in range(MIN_OUTPUTS):  # a shared system prompt: vLLM found 2,048 of 2,100 tokens cached
+        kv.finished(2100, 300, 300, 2048)
+    assert kv.need(2100, 300) == 3  # its own 52 + 300 tokens, beside 16 shared blocks held once
+    assert kv.prefix_blocks == 16
+    for _ in range(SIZE_WINDOW):  # the jobs not seen yet are sized by the recent ones
+        kv.need(2100, 300)
+    assert kv.requests_that_fit() == (85 - 16) // 3 == 23  # 4 before
+    kv.admit(3)
+    assert kv.fits(85 - 16 - 3) and not kv.fits(85 - 16 - 3 + 1)
+    for _ in range(MIN_OUTPUTS):  # once 1 in 10 of the recent requests found nothing cached: none shared
+        kv.finished(2100, 300, 300, 0)
+    assert kv.need(2100, 300) == 19 and kv.prefix_blocks == 0
 
 
 def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters():

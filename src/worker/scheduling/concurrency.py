@@ -9,15 +9,16 @@ workers those jobs would have started at once elsewhere, and RunPod's autoscaler
 reaches the engine: its prompt's tokens, and its output's as planned from the recent requests that
 finished (``OUTPUT_QUANTILE`` of the last ``OUTPUT_WINDOW``): what such requests took, or
 ``max_tokens`` times the share of theirs they took if more, at most ``max_tokens``; when the client
-set no ``max_tokens``, what such requests took. Until
-``MIN_OUTPUTS`` have finished: ``max_tokens`` (the most it can take: a fresh worker's first burst
-needs no preemption to find the limit), or ``DEFAULT_OUTPUT_TOKENS``. A request enters vLLM
-once the blocks planned for the requests in it leave room for its own (``engine/admission``), so vLLM
-never admits more than the cache holds when they have all grown; it would admit any request whose
-prompt fits, and preempt as they grow. The jobs to hold are the requests that fit (those in vLLM, and
-as many more of the recent requests' mean size as the free blocks hold) plus a few that wait for
-room: as many as finish during one job-take round trip (``take_latency``, ``JOB_TAKE_LATENCY``), at
-most ``QUEUE_SHARE`` of those that fit, so that a freed slot is refilled at once, and a job that could
+set no ``max_tokens``, what such requests took. Until ``MIN_OUTPUTS`` have finished: ``max_tokens``
+(the most it can take: a fresh worker's first burst needs no preemption to find the limit), or
+``DEFAULT_OUTPUT_TOKENS``. A prompt's part that nearly every recent request found in vLLM's prefix
+cache (a shared system prompt) is planned once, not per request. A request enters vLLM once the
+blocks planned for the requests in it leave room for its own (``engine/admission``), so vLLM never
+admits more than the cache holds when they have all grown; it would admit any request whose prompt
+fits, and preempt as they grow. The jobs to hold are the requests that fit (those in vLLM, and as
+many more of the recent requests' mean size as the free blocks hold) plus a few that wait for room:
+as many as finish during one job-take round trip (``take_latency``, ``JOB_TAKE_LATENCY``), at most
+``QUEUE_SHARE`` of those that fit, so that a freed slot is refilled at once, and a job that could
 start on another worker of the endpoint does not wait long in this one.
 
 **The engine's load** bounds that number too. The target follows what vLLM's scheduler reports after
@@ -67,6 +68,9 @@ START = 16
 # MIN_OUTPUTS have finished (the warm-up's request says little about the jobs); before, at max_tokens,
 # or at DEFAULT_OUTPUT_TOKENS when the client set none.
 OUTPUT_QUANTILE, OUTPUT_WINDOW, MIN_OUTPUTS, DEFAULT_OUTPUT_TOKENS = 0.9, 200, 8, 512
+# The share of a prompt found in vLLM's prefix cache (a system prompt the requests share) is planned
+# at this low quantile of the recent requests': held once, not by every request.
+CACHED_QUANTILE = 0.1
 SIZE_WINDOW = 32  # the jobs not yet seen are planned at the mean size of this many recent requests
 QUEUE_SHARE = 0.25  # jobs held waiting for room: at most this share of those that fit
 RATE_SECONDS = 10.0  # requests finished per second, over this long
@@ -86,6 +90,8 @@ class KvBudget:
         self._bounded_outputs: deque[int] = deque(maxlen=OUTPUT_WINDOW)
         self._shares: deque[float] = deque(maxlen=OUTPUT_WINDOW)
         self._unbounded: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+        self._cached: deque[float] = deque(maxlen=OUTPUT_WINDOW)  # prompt share found in the prefix cache
+        self.prefix_blocks = 0  # the shared prefix of the last request planned: held once, beside all
         # Their sum is kept, not summed when read: ``target`` is read on the job loop's thread while the
         # engine's thread appends (iterating a deque that changes raises).
         self._sizes: deque[int] = deque(maxlen=SIZE_WINDOW)
@@ -111,10 +117,14 @@ class KvBudget:
         return max_tokens is not None and (self.context is None or prompt_tokens + max_tokens < self.context)
 
     def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
-        """The blocks a request will hold at most, as planned: its ``n`` sequences each hold the
-        prompt (prefix caching may share it: planned as if not) and up to the planned output."""
+        """The blocks a request will hold at most, as planned: its ``n`` sequences each hold its own
+        part of the prompt and up to the planned output. The whole blocks of the prompt that nearly
+        every recent request found in vLLM's prefix cache are shared (``prefix_blocks``, held once)."""
         output = self.planned_output(prompt_tokens, max_tokens)
-        blocks = max(1, n) * math.ceil((prompt_tokens + output) / self.block_size)
+        cached = _quantile(self._cached, CACHED_QUANTILE) or 0.0
+        self.prefix_blocks = int(prompt_tokens * cached) // self.block_size
+        own = prompt_tokens - self.prefix_blocks * self.block_size + output
+        blocks = max(1, n) * math.ceil(own / self.block_size)
         if len(self._sizes) == SIZE_WINDOW:
             self._sizes_total -= self._sizes[0]
         self._sizes.append(blocks)
@@ -123,7 +133,12 @@ class KvBudget:
 
     def fits(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` enters now (alone, it always does: vLLM judges it)."""
-        return not self.admitted or self.used + blocks <= self.blocks
+        return not self.admitted or self.used + blocks <= self._room
+
+    @property
+    def _room(self) -> int:
+        """The blocks requests' own parts may take: the shared prefix holds the rest."""
+        return self.blocks - self.prefix_blocks
 
     def admit(self, blocks: int) -> None:
         self.used += blocks
@@ -133,8 +148,12 @@ class KvBudget:
         self.used -= blocks
         self.admitted -= 1
 
-    def finished(self, prompt_tokens: int, output_tokens: int, max_tokens: int | None) -> None:
-        """A request finished (not aborted) after ``output_tokens`` tokens."""
+    def finished(self, prompt_tokens: int, output_tokens: int, max_tokens: int | None,
+                 cached_tokens: int = 0) -> None:
+        """A request finished (not aborted) after ``output_tokens`` tokens; ``cached_tokens`` of its
+        prompt were found in vLLM's prefix cache."""
+        if prompt_tokens:
+            self._cached.append(cached_tokens / prompt_tokens)
         if self._bounded(prompt_tokens, max_tokens):
             self._shares.append(output_tokens / max_tokens)
             self._bounded_outputs.append(output_tokens)
@@ -147,15 +166,15 @@ class KvBudget:
         if not self._sizes:
             return None
         mean = self._sizes_total / len(self._sizes)
-        return self.admitted + int(max(0, self.blocks - self.used) / mean)
+        return self.admitted + int(max(0, self._room - self.used) / mean)
 
 
-def _quantile(values: deque) -> float | None:
-    """The ``OUTPUT_QUANTILE`` of ``values``; None with fewer than ``MIN_OUTPUTS``."""
+def _quantile(values: deque, quantile: float = OUTPUT_QUANTILE) -> float | None:
+    """That quantile of ``values``; None with fewer than ``MIN_OUTPUTS``."""
     if len(values) < MIN_OUTPUTS:
         return None
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(OUTPUT_QUANTILE * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
 class Concurrency:
@@ -214,11 +233,11 @@ class Concurrency:
         log.info("KV cache: %d blocks of %d tokens; requests enter vLLM as they fit whole", blocks, block_size)
 
     def observe(self, *, running: int, waiting: int, kv_usage: float, started: int, finished: int,
-                preempted: int = 0, outputs: tuple[tuple[int, int, int | None], ...] = ()) -> None:
+                preempted: int = 0, outputs: tuple[tuple[int, int, int | None, int], ...] = ()) -> None:
         """vLLM's scheduler after one engine step: requests running and waiting, KV-cache usage
         (0 to 1), requests that started (their first token), finished, and resumed after a
         preemption (vLLM reports a preemption then) in the step, and the requests that finished (not
-        aborted) as (prompt tokens, output tokens, max_tokens)."""
+        aborted) as (prompt tokens, output tokens, max_tokens, prompt tokens found cached)."""
         before = self.target
         self._count_finished(finished, outputs)
         held = self._held()
@@ -233,7 +252,7 @@ class Concurrency:
                 self._grow(running, kv_usage)
         self._report(before, "the KV cache holds what the requests will need")
 
-    def _count_finished(self, finished: int, outputs: tuple[tuple[int, int, int | None], ...]) -> None:
+    def _count_finished(self, finished: int, outputs: tuple[tuple[int, int, int | None, int], ...]) -> None:
         now = self._clock()
         if finished:
             self._finishes.append((now, finished))
