@@ -1,5 +1,6 @@
-"""The concurrency controller's rule, step by step, and over a toy scheduler (pure logic: the real
-engine's feed is tested in tests/engine/test_concurrency_on_the_engine.py, whole workers in
+"""The concurrency controller's rule, step by step, the KV budget's plan, and both over a toy
+scheduler, with and without the admission gate (pure logic: the real engine's feed and gate are
+tested in tests/engine/test_concurrency_on_the_engine.py, whole workers in
 tests/endpoint/test_adaptive_concurrency.py)."""
 
 from __future__ import annotations
@@ -9,9 +10,20 @@ import math
 
 import pytest
 
-from worker.scheduling.concurrency import (DEFAULT_OUTPUT_TOKENS, KV_HEADROOM, MIN_OUTPUTS, OUTPUT_WINDOW,
-                                           PATIENCE, QUEUE_SHARE, SIZE_WINDOW,
-                                           RATE_SECONDS, START, Concurrency, KvBudget)
+from worker.scheduling.concurrency import (
+    DEFAULT_OUTPUT_TOKENS,
+    GROWTH,
+    KV_HEADROOM,
+    MIN_OUTPUTS,
+    OUTPUT_WINDOW,
+    PATIENCE,
+    QUEUE_SHARE,
+    RATE_SECONDS,
+    SIZE_WINDOW,
+    START,
+    Concurrency,
+    KvBudget,
+)
 
 
 class Held:
@@ -372,3 +384,18 @@ def test_gated_by_the_budget_the_first_burst_fits_without_a_preemption(sizes):
     assert engine.preemptions == 0
     ungated, _ = run_toy(blocks=86, clients=64, prompt=0, out=0, steps=3000, sizes=sizes)
     assert ungated.preemptions > 0  # the same load, ungated, finds the limit by preempting
+
+
+def test_with_the_kv_cache_known_a_round_without_preemption_raises_by_half_after_a_cut():
+    # The gate packs the cache to its plan, so a round's KV peak is near 100 %: the peak rule would
+    # never rise again. With the budget, what enters vLLM is what fits: a clean round is enough.
+    held = Held(40)
+    jobs = Concurrency(1, 256, held, start=40)
+    jobs.set_kv_cache(1000, 128, 8192)
+    jobs.kv.need(79, 128)  # requests of 2 blocks: 500 fit
+    step(jobs, running=30, kv_usage=0.99, preempted=1)  # a request ran longer than planned
+    assert jobs.target == 29
+    held.count = 29
+    for _ in range(2):
+        step(jobs, running=29, kv_usage=0.98, finished=15)  # a round: 29 requests finished, none preempted
+    assert jobs.target == int(29 * GROWTH)
