@@ -18,7 +18,7 @@ import os
 import re
 import traceback
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, aclosing
 from http import HTTPStatus
 from pathlib import Path
 
@@ -473,8 +473,10 @@ def gate_requests(llm: AsyncLLM, admitted: Admitted) -> None:
 
     async def generate_once_admitted(prompt, sampling_params: SamplingParams, request_id: str,
                                      *args, **kwargs) -> AsyncIterator[RequestOutput]:
-        async with admitted(prompt_tokens(prompt), sampling_params.max_tokens, sampling_params.n):
-            async for output in generate(prompt, sampling_params, request_id, *args, **kwargs):
+        async with (admitted(prompt_tokens(prompt), sampling_params.max_tokens, sampling_params.n),
+                    # closed with this one: vLLM aborts the request now, not when it is collected
+                    aclosing(generate(prompt, sampling_params, request_id, *args, **kwargs)) as outputs):
+            async for output in outputs:
                 yield output
 
     llm.generate = generate_once_admitted

@@ -15,8 +15,8 @@ from conftest import LOAD_FEED
 import handler
 from worker.engine.admission import Admission
 from worker.jobs.job_input import JobInput
-from worker.scheduling.concurrency import START, Concurrency
-from worker.vllm_adapter import gate_requests
+from worker.scheduling.concurrency import START, Concurrency, KvBudget
+from worker.vllm_adapter import SamplingParams, gate_requests
 
 
 @contextlib.contextmanager
@@ -161,3 +161,27 @@ def test_a_job_stopped_while_it_waits_for_room_leaves_its_place(gated):
     first, short = asyncio.run(scenario())
     assert first[0]["usage"]["output"] == 1000 and short[0]["usage"]["output"] == 64
     assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)
+
+
+def test_a_gated_stream_closed_between_outputs_closes_vllms_at_once():
+    """A consumer that closes the stream between two outputs (a cancelled job's) closes vLLM's own
+    generate with it, whose cleanup aborts the request, rather than leave it to the garbage collector."""
+    closed, budget = [], KvBudget(10, BLOCK)
+
+    class Engine:
+        async def generate(self, prompt, sampling_params, request_id):
+            try:
+                for i in range(100):
+                    yield i
+            finally:
+                closed.append(request_id)
+
+    async def scenario() -> None:
+        engine = Engine()
+        gate_requests(engine, Admission(lambda: budget).admitted)
+        outputs = engine.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=5), "r-1")
+        assert await anext(outputs) == 0 and budget.admitted == 1
+        await outputs.aclose()
+        assert closed == ["r-1"] and budget.admitted == 0
+
+    asyncio.run(scenario())
