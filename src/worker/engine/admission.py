@@ -66,10 +66,9 @@ class Admission:
         except asyncio.CancelledError:  # its job was stopped or its client left while it waited
             if entry[1].done() and not entry[1].cancelled():  # admitted just before: give the room back
                 budget.release(blocks)
-                self._admit_waiting(budget)
             else:
                 self._waiting.remove(entry)
-                self._admit_waiting(budget)  # the next may fit where this one did not
+            self._admit_waiting(budget)  # the next may fit where this one did not, or in its room
             raise
 
     def _admit_waiting(self, budget: Budget) -> None:
