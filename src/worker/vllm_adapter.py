@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import traceback
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing
 from http import HTTPStatus
 from pathlib import Path
@@ -49,7 +49,10 @@ from vllm.entrypoints.serve.exception_handling.error_response import (
     create_error_response as _vllm_error_response,
 )
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
-from vllm.exceptions import VLLMClientError
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelCard, ModelPermission
+from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.lora.request import LoRARequest
+from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.model_executor.models.registry import ModelRegistry
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
@@ -71,6 +74,7 @@ from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogge
 from vllm.v1.metrics.stats import IterationStats
 
 from worker.env_text import env_value
+from worker.wire.errors import RequestError
 
 __all__ = [
     "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
@@ -79,7 +83,8 @@ __all__ = [
     "unsupported_architectures",
     "engine_arg_dests", "engine_args_from", "engine_config_message",
     "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_fatal",
-    "Admitted", "gate_requests", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
+    "Admitted", "allow_adapters_by_name", "gate_requests", "keep_adapters_loaded", "load_adapter",
+    "LoRARequest", "max_cpu_loras", "plugin_adapter", "serve_adapters", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
     "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
     "SamplingParams", "start_engine", "TokensPrompt", "validate_frontend_args", "visible_gpu_count",
     "VllmConfig",
@@ -539,8 +544,9 @@ def import_app_modules() -> list:
     return [importlib.import_module(name) for name in APP_MODULES]
 
 
-async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
-    """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it.
+async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adapters=None):
+    """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it;
+    ``adapters`` (``engine/adapters.Adapters``): the registry its serving classes find adapters in.
 
     Like `vllm serve`'s app start-up, this freezes the start-up heap out of the garbage collector:
     otherwise each full collection while serving walks vLLM's and torch's ~600k start-up objects
@@ -561,6 +567,8 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
     app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthenticationMiddleware]
     app.middleware_stack = app.build_middleware_stack()
     await state_module.init_app_state(engine, app.state, namespace, supported_tasks)
+    if adapters is not None and (models := getattr(app.state, "openai_serving_models", None)):
+        serve_adapters(models, adapters.resolve, adapters.loaded, adapters.available)
     freeze_gc_heap()
     return app
 
@@ -568,3 +576,96 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace):
 def make_sampling_params(fields: dict, output_kind: RequestOutputKind) -> SamplingParams:
     """Typed, validated SamplingParams from JSON (msgspec checks types, vLLM the ranges)."""
     return msgspec.convert({**fields, "output_kind": output_kind.value}, SamplingParams)
+
+
+# --- LoRA adapters by name (engine/adapters holds the registry) -------------------------------------
+
+# What a registry of adapters offers vLLM's serving classes (engine/adapters.Adapters).
+ResolveAdapter = Callable[[str], Awaitable[LoRARequest]]  # raises RequestError with its status
+
+
+def allow_adapters_by_name() -> None:
+    """Lets vLLM's serving classes ask for an adapter they do not know (``resolve_lora``), as
+    `vllm serve` does with VLLM_ALLOW_RUNTIME_LORA_UPDATING. That variable also adds vLLM's load
+    and unload routes to its app, which no job reaches (``routes/route_table.DENIED``)."""
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+
+
+def max_cpu_loras(llm: AsyncLLM) -> int:
+    """How many adapters the engine holds in memory (MAX_CPU_LORAS, else MAX_LORAS); 0 without LoRA."""
+    lora = llm.vllm_config.lora_config
+    return (lora.max_cpu_loras or lora.max_loras) if lora else 0
+
+
+async def load_adapter(llm: AsyncLLM, request: LoRARequest) -> str | None:
+    """Loads an adapter into the engine (again, when it was evicted); None when it is held, else
+    why vLLM could not load it (its failure stays in this call: the engine serves on)."""
+    try:
+        await llm.add_lora(request)
+    except EngineDeadError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - vLLM wraps the worker's error in a plain Exception
+        message = str(exc)
+        return match.group(1) if (match := re.search(r"Worker failed with error '(.*)', please", message)) \
+            else message
+    return None
+
+
+async def plugin_adapter(llm: AsyncLLM, name: str) -> LoRARequest | None:
+    """The adapter a LoRA resolver registered with vLLM finds (vLLM's filesystem or hub resolver,
+    when their VLLM_LORA_RESOLVER_* variables are set, or a user's plugin); None if none does."""
+    for resolver_name in sorted(LoRAResolverRegistry.get_supported_resolvers()):
+        resolver = LoRAResolverRegistry.get_resolver(resolver_name)
+        if (request := await resolver.resolve_lora(llm.model_config.model, name)) is not None:
+            return request
+    return None
+
+
+def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRARequest],
+                   available: Callable[[], list[tuple[str, str]]]) -> None:
+    """Makes vLLM's ``OpenAIServingModels`` (one app's) find adapters through the worker's registry:
+    its adapters (``LORA_MODULES``', loaded already) join ``loaded``, which it then shares;
+    ``resolve_lora`` asks ``resolve``; ``/v1/models`` also lists ``available()`` (name, path)."""
+    loaded.update(models.lora_requests)
+    models.lora_requests = loaded
+
+    async def resolve_lora(name: str) -> LoRARequest | ErrorResponse:
+        try:
+            return await resolve(name)
+        except RequestError as exc:
+            if exc.status not in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
+                raise GracefulHTTPError(str(exc), exc.status) from None  # vLLM reads 400 and 404 only
+            return _vllm_error_response(str(exc), status_code=exc.status, param="model",
+                                        err_type="NotFoundError" if exc.status == HTTPStatus.NOT_FOUND
+                                        else "BadRequestError")
+
+    show_loaded = models.show_available_models
+
+    async def show_available_models():
+        listed = await show_loaded()
+        known = {card.id for card in listed.data}
+        base = models.base_model_paths[0].name
+        listed.data += [ModelCard(id=name, root=path, parent=base, permission=[ModelPermission()])
+                        for name, path in available() if name not in known]
+        return listed
+
+    models.resolve_lora = resolve_lora
+    models.show_available_models = show_available_models
+
+
+def keep_adapters_loaded(llm: AsyncLLM, reload: Callable[[LoRARequest], Awaitable[None]]) -> None:
+    """Every ``llm.generate`` with an adapter awaits ``reload(adapter)`` first. vLLM loads an
+    adapter it evicted again inside an engine step, where a failure (its files changed or gone)
+    would kill the engine; loaded here, it fails this request alone."""
+    generate = llm.generate
+
+    async def generate_with_adapter(prompt, sampling_params: SamplingParams, request_id: str, *args,
+                                    lora_request: LoRARequest | None = None, **kwargs):
+        if lora_request is not None:
+            await reload(lora_request)
+        async with aclosing(generate(prompt, sampling_params, request_id, *args,
+                                     lora_request=lora_request, **kwargs)) as outputs:
+            async for output in outputs:
+                yield output
+
+    llm.generate = generate_with_adapter

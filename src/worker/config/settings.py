@@ -46,6 +46,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from worker.env_text import env_value
 from worker.model import baked_args
+from worker.model.lora_adapters import AdapterSources
 from worker.model.preflight import ModelRequest, RepoRequest
 from worker.wire.errors import ConfigError
 
@@ -97,6 +98,11 @@ class WorkerSettings(BaseModel):
     job_loop: Literal["worker", "sdk"] = Field("worker", validation_alias=_env("JOB_LOOP"))
     # Keep vLLM's compile cache on the network volume, when one is mounted (engine/compile_cache).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
+    # LoRA adapters by name (model/lora_adapters): folders searched first (default: $BASE_PATH/loras),
+    # hub repos a request may name (patterns; none: the hub is not asked), the base-model check.
+    lora_dirs: str | None = Field(None, validation_alias=_env("LORA_DIRS"))
+    lora_hub_repos: str | None = Field(None, validation_alias=_env("LORA_HUB_REPOS"))
+    lora_check_base_model: bool = Field(True, validation_alias=_env("LORA_CHECK_BASE_MODEL"))
     # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
     startup_failure_answer_seconds: float = Field(
         DEFAULT_FAILURE_ANSWER_SECONDS, ge=0, allow_inf_nan=False,
@@ -134,6 +140,11 @@ class WorkerConfig:
     args: ResolvedArgs
     # vLLM's compile cache on the network volume (compile_cache.VolumeCache); None: not kept there.
     volume_cache: Path | None = None
+    # The names the served model answers to: its path or repo id, the repo its copy came from, the
+    # served names (OPENAI_SERVED_MODEL_NAME_OVERRIDE's too).
+    served_names: frozenset[str] = frozenset()
+    # Where LoRA adapters named by requests are found; None with LoRA off.
+    adapters: AdapterSources | None = None
 
 
 # Where RunPod mounts the network volume (the image's BASE_PATH build arg, also set in its env).
@@ -156,6 +167,34 @@ def volume_cache_dir(settings: WorkerSettings, env: Mapping[str, str]) -> Path |
         return volume / VOLUME_CACHE_DIR
     log.info("Compile cache: local only (%s)", reason)
     return None
+
+
+LORA_DIR = "loras"  # under BASE_PATH
+
+
+def _served_names(settings: WorkerSettings, args: ResolvedArgs) -> frozenset[str]:
+    namespace = args.namespace
+    names = {namespace.model, args.served_repo, settings.openai_served_model_name_override,
+             *(namespace.served_model_name or ())}
+    return frozenset(name for name in names if name)
+
+
+def _adapter_sources(settings: WorkerSettings, args: ResolvedArgs, served_names: frozenset[str],
+                     env: Mapping[str, str]) -> AdapterSources | None:
+    """Where adapters named by requests are found (LORA_DIRS, then the image's), when LoRA is on."""
+    if not args.engine_args.enable_lora:
+        return None
+    volume = Path(env_value("BASE_PATH", env) or DEFAULT_BASE_PATH) / LORA_DIR
+    folders = [(Path(folder), "LORA_DIRS") for folder in (settings.lora_dirs or "").split(":") if folder] \
+        or [(volume, "volume")]
+    if baked := baked_args.read(baked_args.args_file(env), []).get(baked_args.BAKED_LORA_DIR_KEY):
+        folders.append((Path(baked), "image"))
+    hub_repos = tuple(repo.strip() for repo in (settings.lora_hub_repos or "").split(",") if repo.strip())
+    sources = AdapterSources(tuple(folders), hub_repos, args.engine_args.max_lora_rank, served_names,
+                             settings.lora_check_base_model)
+    log.info("LoRA adapters by name: from %s%s", ", ".join(str(folder) for folder, _ in folders),
+             f", and the hub's {', '.join(hub_repos)}" if hub_repos else "")
+    return sources
 
 
 # Prefixes of variables that belong to other programs (no typo check against ours).
@@ -196,7 +235,9 @@ def load_config(env: Mapping[str, str] | None = None,
                     "routes in-process, without a bearer token")
     log.info("Engine config: %s", args.summary())
     log.info("Worker settings: %s", settings.model_dump())
-    return WorkerConfig(settings, args, volume_cache_dir(settings, env))
+    served_names = _served_names(settings, args)
+    return WorkerConfig(settings, args, volume_cache_dir(settings, env), served_names,
+                        _adapter_sources(settings, args, served_names, env))
 
 
 def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:

@@ -17,21 +17,26 @@ import asyncio
 import concurrent.futures
 import logging
 import time
+from http import HTTPStatus
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Self
 
 from worker.config.settings import WorkerConfig, WorkerSettings, load_config
+from worker.engine.adapters import Adapters
 from worker.engine.background_loop import BackgroundLoop
 from worker.engine.sampling import build_sampling_params
 from worker.engine.tokenizer import TokenizerWrapper, prompt_chars
 from worker.jobs.batching import batched, job_batch_size
 from worker.jobs.job_input import JobInput
+from worker.wire.errors import RequestError
 from worker.vllm_adapter import (
     POOLING_TASKS,
     Admitted,
     AsyncLLM,
     LoadObserver,
+    LoRARequest,
+    allow_adapters_by_name,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
@@ -129,6 +134,10 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
             template = load_chat_template(config.args.namespace.chat_template) if config else None
             tokenizer = TokenizerWrapper(llm.get_tokenizer(), template)
         self.tokenizer = tokenizer
+        self.adapters = None  # LoRA adapters by name (engine/adapters), with LoRA on
+        if config and config.adapters and llm.vllm_config.lora_config:
+            allow_adapters_by_name()
+            self.adapters = Adapters(llm, config.adapters)
 
     def warm_up(self) -> concurrent.futures.Future[None]:
         """Starts the warm-up request on the engine's loop."""
@@ -200,9 +209,10 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
 
     async def _generate(self, job: JobInput) -> AsyncIterator[dict[str, Any]]:
         params = build_sampling_params(job.sampling_params, job.stream)
+        adapter = await self._adapter(job.model)
         prompt_ids = await self._prompt_tokens(job)
         outputs = self.llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
-                                    job.request_id)
+                                    job.request_id, lora_request=adapter)
         usage = {"input": len(prompt_ids), "output": 0}
         with_logprobs = params.logprobs is not None
         if not job.stream:
@@ -212,6 +222,15 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
         size = job_batch_size(job, self.settings)
         async for batch in batched(outputs, size, weight=_new_tokens):
             yield self._item(batch, params.n, usage, with_logprobs)
+
+    async def _adapter(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a raw job's ``model`` names; None for the served model (or no name)."""
+        if not name or (self.config and name in self.config.served_names):
+            return None
+        if self.adapters is None:
+            raise RequestError(f"The model `{name}` does not exist (LoRA adapters are off: ENABLE_LORA).",
+                               param="model", status=HTTPStatus.NOT_FOUND)
+        return await self.adapters.resolve(name)
 
     @staticmethod
     def _item(outputs: Sequence[RequestOutput], n: int, usage: dict[str, int],

@@ -33,6 +33,7 @@ class JobInput(BaseModel):
     prompt: str | list[dict[str, Any]] | None = None  # a message list here is chat, as worker-vllm read it
     messages: list[dict[str, Any]] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    model: str | None = None  # raw jobs: a LoRA adapter's name (or the served model's)
     stream: bool = False
     apply_chat_template: bool = False
     max_batch_size: int | None = Field(None, ge=1)

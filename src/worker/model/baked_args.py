@@ -18,12 +18,14 @@ from worker.env_text import env_value
 if TYPE_CHECKING:
     from worker.config.arg_parser import EnvParser, Setting
 
-__all__ = ["BAKED_SOURCE_KEYS", "args_file", "baked_layer", "read", "use_baked_copies", "write"]
+__all__ = ["BAKED_LORA_DIR_KEY", "BAKED_SOURCE_KEYS", "args_file", "baked_layer", "read", "use_baked_copies", "write"]
 
 DEFAULT_ARGS_FILE = "/local_model_args.json"
 ARGS_FILE_ENV = "LOCAL_MODEL_ARGS_FILE"  # where the file is, at build time and at run time
 # The keys that name the repos the local copies came from, by the flag each copy is for.
 BAKED_SOURCE_KEYS = {"model": "BAKED_MODEL_NAME", "tokenizer": "BAKED_TOKENIZER_NAME"}
+# The folder of the LoRA adapters baked into the image (``LORA_ADAPTERS``), each ``<folder>/<name>``.
+BAKED_LORA_DIR_KEY = "BAKED_LORA_DIR"
 
 
 def args_file(env: Mapping[str, str]) -> Path:

@@ -1,0 +1,177 @@
+"""LoRA adapters by name: where a request's adapter is found, and whether it fits the served model.
+
+A request names an adapter (its ``model``); ``AdapterSources.find`` looks for it, in order:
+
+1. in each folder of ``LORA_DIRS`` (default ``$BASE_PATH/loras``, on the network volume), as
+   ``<folder>/<name>``;
+2. among the adapters baked into the image (``LORA_ADAPTERS`` build arg), as ``<baked folder>/<name>``;
+3. on the Hugging Face hub, when ``LORA_HUB_REPOS`` allows the repo: ``<org>/<repo>`` or
+   ``<org>/<repo>/<sub-folder>``. Only the adapter's files are downloaded, into the hub cache
+   (``HF_HOME``, on the network volume).
+
+An adapter is a folder with PEFT's ``adapter_config.json`` and its weights. Every worker of an
+endpoint reads the same sources, so a name means the same adapter on each of them.
+
+Found but unusable (an unreadable config, not LoRA, a rank above ``MAX_LORA_RANK``, another base
+model): ``AdapterError`` (400), checked before vLLM loads anything. Plain (no vLLM): the engine's
+registry (``engine/adapters``) loads what this finds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from http import HTTPStatus
+from pathlib import Path
+
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+)
+
+from worker.wire.errors import RequestError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Adapter", "AdapterError", "AdapterSources", "CONFIG_FILE", "VLLM_LORA_RANKS"]
+
+CONFIG_FILE = "adapter_config.json"
+# The weights PEFT saves beside the config (vLLM reads the first it finds).
+_WEIGHT_PATTERNS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+# vLLM's choices for --max-lora-rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# A name is one to three path segments (``name``, ``org/repo``, ``org/repo/sub``), never ``..``.
+_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*){0,2}")
+_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
+_MAX_DEPTH = 3
+
+
+class AdapterError(RequestError, ValueError):
+    """An adapter that was found but cannot be served (400), or a hub that could not be asked (502).
+    A ValueError too: raised inside vLLM's serving classes, it is answered as their 400."""
+
+    def __init__(self, name: str, reason: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
+        super().__init__(f"LoRA adapter '{name}' {reason}", param="model", status=status)
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: Path
+    source: str  # where it was found, for logs: "volume", "image", "hub" or a folder
+
+
+def _is_repo_id(name: str) -> bool:
+    return bool(_REPO_ID.fullmatch(name)) and not name.startswith(".")
+
+
+def _normal(name: str) -> str:
+    return name.rstrip("/").casefold()
+
+
+@dataclass(frozen=True)
+class AdapterSources:
+    """Where adapters are found, and what they must fit."""
+
+    folders: tuple[tuple[Path, str], ...]  # (folder, label), searched in order
+    hub_repos: tuple[str, ...]  # patterns of the hub repos a request may name (``org/*``, ``*``)
+    max_rank: int  # MAX_LORA_RANK
+    served_names: frozenset[str]  # the served model's path, repo id and served names
+    check_base_model: bool = True
+
+    def find(self, name: str) -> Adapter | None:
+        """The adapter called ``name``, checked; None when no source has it. Blocking: a hub
+        adapter is downloaded (run it in a thread)."""
+        if not _NAME.fullmatch(name):
+            return None
+        for folder, label in self.folders:
+            if (folder / name / CONFIG_FILE).is_file():
+                return self._checked(Adapter(name, folder / name, label))
+        if (path := self._from_hub(name)) is not None:
+            return self._checked(Adapter(name, path, "hub"))
+        return None
+
+    def available(self) -> list[Adapter]:
+        """The adapters in the folders (not the hub's: asking it costs a request per repo), the
+        first folder's where two have one name."""
+        found: dict[str, Adapter] = {}
+        for folder, label in self.folders:
+            for path in _adapter_folders(folder, _MAX_DEPTH):
+                name = path.relative_to(folder).as_posix()
+                if _NAME.fullmatch(name):
+                    found.setdefault(name, Adapter(name, path, label))
+        return sorted(found.values(), key=lambda adapter: adapter.name)
+
+    def _from_hub(self, name: str) -> Path | None:
+        parts = name.split("/")
+        if len(parts) < 2:
+            return None
+        repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
+        if not any(fnmatch.fnmatchcase(repo.casefold(), pattern.casefold()) for pattern in self.hub_repos):
+            return None
+        prefix = f"{sub}/" if sub else ""
+        try:
+            snapshot = snapshot_download(repo, allow_patterns=[prefix + CONFIG_FILE,
+                                                               *(prefix + p for p in _WEIGHT_PATTERNS)])
+        except (RepositoryNotFoundError, EntryNotFoundError, LocalEntryNotFoundError):
+            return None
+        except GatedRepoError:
+            raise AdapterError(name, f"is in a gated or private repo ({repo}) that HF_TOKEN cannot read")
+        except (HfHubHTTPError, OSError) as exc:
+            raise AdapterError(name, f"could not be fetched from the hub: {exc}", HTTPStatus.BAD_GATEWAY)
+        path = Path(snapshot, sub)
+        return path if (path / CONFIG_FILE).is_file() else None
+
+    def _checked(self, adapter: Adapter) -> Adapter:
+        try:
+            config = json.loads((adapter.path / CONFIG_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise AdapterError(adapter.name, f"has an unreadable {CONFIG_FILE}: {exc}") from None
+        if not isinstance(config, dict):
+            raise AdapterError(adapter.name, f"has an unreadable {CONFIG_FILE}: not a JSON object")
+        if (kind := config.get("peft_type", "LORA")) != "LORA":
+            raise AdapterError(adapter.name, f"is a {kind} adapter: only LoRA adapters are served")
+        rank = config.get("r")
+        if isinstance(rank, int) and rank > self.max_rank:
+            fits = next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
+            raise AdapterError(adapter.name, f"has rank {rank}, above MAX_LORA_RANK={self.max_rank}: "
+                                             f"set MAX_LORA_RANK={fits} (more GPU memory per adapter)")
+        if problem := self._base_model_problem(config.get("base_model_name_or_path")):
+            raise AdapterError(adapter.name, problem)
+        return adapter
+
+    def _base_model_problem(self, base: object) -> str | None:
+        """Why the adapter's base model is not the served one, when its config tells (a hub repo
+        id, and the served model is known by one too); a local path tells nothing."""
+        if not self.check_base_model or not isinstance(base, str) or not _is_repo_id(base):
+            return None
+        served = {_normal(name) for name in self.served_names}
+        repos = sorted(name for name in self.served_names if _is_repo_id(name))
+        if _normal(base) in served or not repos:
+            return None
+        return (f"was trained for base model '{base}', not the served '{repos[0]}' (its {CONFIG_FILE}'s "
+                "base_model_name_or_path); set LORA_CHECK_BASE_MODEL=false to serve it anyway")
+
+
+def _adapter_folders(folder: Path, depth: int) -> list[Path]:
+    """The folders under ``folder``, ``depth`` levels down at most, that hold an adapter."""
+    try:
+        entries = [entry for entry in os.scandir(folder) if entry.is_dir() and not entry.name.startswith(".")]
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        path = Path(entry.path)
+        if (path / CONFIG_FILE).is_file():
+            found.append(path)
+        elif depth > 1:
+            found += _adapter_folders(path, depth - 1)
+    return found
