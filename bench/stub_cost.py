@@ -36,7 +36,7 @@ class StubLLM:
             0, f" word{i}", [i], None, None, finish_reason="length" if i == TOKENS - 1 else None)],
             finished=i == TOKENS - 1) for i in range(TOKENS)]
 
-    async def generate(self, prompt, params, request_id) -> AsyncIterator:
+    async def generate(self, prompt, params, request_id, *, lora_request=None) -> AsyncIterator:
         for output in self.outputs:
             await asyncio.sleep(0)  # outputs arrive one engine step at a time
             yield output

@@ -2,7 +2,8 @@
 
 Accepted job inputs (``job["input"]``, read by ``jobs/job_input``):
 
-- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template"}``
+- raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template", "model"}``
+          (``model``: a LoRA adapter's name)
 - OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>, "method"}`` (or
           worker-vllm 2.24's ``route`` and ``body``)
 - both:   ``"timeout"``, and the stream batching knobs ``"max_batch_size", "min_batch_size",

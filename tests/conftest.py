@@ -80,15 +80,15 @@ def _build_engine(env: dict[str, str]):
     return vLLMEngine(load_config(env), on_load=LOAD_FEED)
 
 
-def build_lora(base: Path, dest: Path) -> Path:
+def build_lora(base: Path, dest: Path, seed: int = 0, rank: int = 8) -> Path:
     """A small random LoRA adapter for ``base`` (random B too, so it changes the output)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-    config = LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj"],
+    config = LoraConfig(r=rank, lora_alpha=8 * rank, target_modules=["q_proj", "v_proj"],
                         init_lora_weights=False)
     get_peft_model(model, config).save_pretrained(dest)
     return dest

@@ -452,12 +452,11 @@ Admitted = Callable[[int, int | None, int], AbstractAsyncContextManager[None]]
 
 
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
-                 on_load: LoadObserver | None = None, admitted: Admitted | None = None) -> AsyncLLM:
+                 on_load: LoadObserver | None = None) -> AsyncLLM:
     """AsyncLLM as `vllm serve` builds it, from the configuration made by ``create_engine_config``
     (on the CPU, with its compiled kernels kept as a cache entry; without Prometheus metrics);
     ``on_load`` gets the scheduler's state after each step (see ``_load_tap``): vLLM then collects
-    statistics even with ``disable_log_stats`` (without logging them); every request to generate
-    enters ``admitted`` first (``gate_requests``)."""
+    statistics even with ``disable_log_stats`` (without logging them)."""
     _cpu_compile_cache(vllm_config)
     llm = AsyncLLM.from_vllm_config(
         vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
@@ -465,8 +464,6 @@ def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
         disable_log_stats=engine_args.disable_log_stats,
         stat_loggers=[_load_tap(on_load)] if on_load else None)
     _drop_prometheus(llm)
-    if admitted is not None:
-        gate_requests(llm, admitted)
     return llm
 
 

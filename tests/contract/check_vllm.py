@@ -39,6 +39,7 @@ from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV,
 from worker.model.baked_args import BAKED_SOURCE_KEYS
 from worker.config.engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
 from worker.config.legacy_env import RENAMED_ENV, SPECULATIVE_ENV
+from worker.wire.errors import RequestError
 from worker.routes.route_table import RouteTable, unclassified_routes
 from worker.config.settings import load_config
 
@@ -313,6 +314,34 @@ def test_the_app_builds_as_the_worker_builds_it(apps, runner):
     unclassified = unclassified_routes(app)
     assert not unclassified, f"routes neither served nor denied in src/worker/routes/route_table.py: {unclassified}"
     assert wanted <= set(RouteTable.from_app(app).names())
+
+
+def test_adapters_by_name_reach_this_releases_serving_classes(apps):
+    """What ``serve_adapters`` relies on: vLLM's serving classes ask ``models.resolve_lora`` for a
+    name they do not know (with VLLM_ALLOW_RUNTIME_LORA_UPDATING), and read adapters from
+    ``models.lora_requests``; the registry's engine calls and vLLM's resolver registry."""
+    from vllm.entrypoints.serve.engine.serving import BaseServing
+
+    check = inspect.getsource(BaseServing._check_model)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in check and "self.models.resolve_lora(" in check
+    assert "self.models.lora_requests" in inspect.getsource(BaseServing._maybe_get_adapters)
+    for name in ("add_lora", "list_loras"):
+        assert name in dir(adapter.AsyncLLM)
+    inspect.signature(adapter.AsyncLLM.add_lora).bind(object(), adapter.LoRARequest("a", 1, "/a"))
+    assert callable(adapter.LoRAResolverRegistry.get_supported_resolvers)
+
+    async def resolve(name):
+        if name == "a":
+            return adapter.LoRARequest("a", 7, "/a")
+        raise RequestError(f"The model `{name}` does not exist.", status=404)
+
+    models, loaded = apps["generate"].state.openai_serving_models, {}
+    adapter.serve_adapters(models, resolve, loaded, lambda: [("a", "/a"), ("c", "/c")])
+    assert models.lora_requests is loaded
+    assert asyncio.run(models.resolve_lora("a")).lora_int_id == 7
+    assert asyncio.run(models.resolve_lora("b")).error.code == 404
+    cards = asyncio.run(models.show_available_models()).data
+    assert [(card.id, card.root) for card in cards[1:]] == [("a", "/a"), ("c", "/c")]
 
 
 @pytest.mark.parametrize("runner", list(MODELS))

@@ -62,7 +62,7 @@ class RefusingLLM:
 
     exc: Exception
 
-    async def generate(self, prompt, params, request_id):
+    async def generate(self, prompt, params, request_id, *, lora_request=None):
         raise self.exc
         yield
 

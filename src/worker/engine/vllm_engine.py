@@ -20,7 +20,7 @@ import time
 from http import HTTPStatus
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from worker.config.settings import WorkerConfig, WorkerSettings, load_config
 from worker.engine.adapters import Adapters
@@ -37,6 +37,7 @@ from worker.vllm_adapter import (
     LoadObserver,
     LoRARequest,
     allow_adapters_by_name,
+    gate_requests,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
@@ -46,9 +47,6 @@ from worker.vllm_adapter import (
     max_num_seqs,
     start_engine,
 )
-
-if TYPE_CHECKING:
-    from worker.config.engine_args import ResolvedArgs
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +78,19 @@ def _new_tokens(output: RequestOutput) -> int:
     return sum(len(completion.token_ids) for completion in completions)
 
 
-async def _start(args: ResolvedArgs, on_load: LoadObserver | None, admitted: Admitted | None) -> AsyncLLM:
-    # Built inside the engine's private loop, which its output handler then belongs to. Building
-    # the engine configuration first raises ConfigError for combinations vLLM rejects.
-    return start_engine(args.engine_config(), args.engine_args, on_load, admitted)
+async def _start(config: WorkerConfig, on_load: LoadObserver | None,
+                 admitted: Admitted | None) -> tuple[AsyncLLM, Adapters | None]:
+    """The engine, and its adapter registry with LoRA on. Built inside the engine's private loop,
+    which its output handler then belongs to. Building the engine configuration first raises
+    ConfigError for combinations vLLM rejects."""
+    llm = start_engine(config.args.engine_config(), config.args.engine_args, on_load)
+    adapters = None
+    if config.adapters and llm.vllm_config.lora_config:
+        allow_adapters_by_name()
+        adapters = Adapters(llm, config.adapters)
+    if admitted is not None:  # around the registry's wrapper: an adapter is loaded once admitted
+        gate_requests(llm, admitted)
+    return llm, adapters
 
 
 class FromParts:
@@ -115,29 +122,28 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
         loop = BackgroundLoop("vllm-engine")
         started = time.perf_counter()
         try:
-            llm = loop.run(_start(config.args, on_load, admitted))
+            llm, adapters = loop.run(_start(config, on_load, admitted))
         except BaseException:
             loop.close()  # a failed start may be tried again: leave no loop thread behind
             raise
         log.info("Initialized vLLM engine in %.2fs", time.perf_counter() - started)
-        self._assemble(config.settings, llm, loop, config=config)
+        self._assemble(config.settings, llm, loop, config=config, adapters=adapters)
         if warm_up:
             self.warm_up().result()
 
     def _assemble(self, settings: WorkerSettings, llm: AsyncLLM, loop: BackgroundLoop, *,
-                  config: WorkerConfig | None = None, tokenizer: TokenizerWrapper | None = None) -> None:
+                  config: WorkerConfig | None = None, tokenizer: TokenizerWrapper | None = None,
+                  adapters: Adapters | None = None) -> None:
         """Also ``from_parts``: an engine around an ``llm`` already running on ``loop`` (an AsyncLLM,
-        or a stand-in with the methods a job uses). ``tokenizer`` defaults to the llm's own."""
+        or a stand-in with the methods a job uses). ``tokenizer`` defaults to the llm's own;
+        ``adapters``: the LoRA adapters it serves by name (None: only LORA_MODULES', on OpenAI routes)."""
         self.config, self.settings, self.llm, self.loop = config, settings, llm, loop
+        self.adapters = adapters
         self.engine_args = config.args.engine_args if config else None
         if tokenizer is None:
             template = load_chat_template(config.args.namespace.chat_template) if config else None
             tokenizer = TokenizerWrapper(llm.get_tokenizer(), template)
         self.tokenizer = tokenizer
-        self.adapters = None  # LoRA adapters by name (engine/adapters), with LoRA on
-        if config and config.adapters and llm.vllm_config.lora_config:
-            allow_adapters_by_name()
-            self.adapters = Adapters(llm, config.adapters)
 
     def warm_up(self) -> concurrent.futures.Future[None]:
         """Starts the warm-up request on the engine's loop."""

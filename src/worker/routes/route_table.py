@@ -47,7 +47,8 @@ DENIED: Mapping[str, str] = {
     "/ping": _SAGEMAKER, "/invocations": _SAGEMAKER,
     "/docs": _DOCS, "/docs/oauth2-redirect": _DOCS, "/openapi.json": _DOCS, "/redoc": _DOCS,
     "/v1/realtime": _WEBSOCKET,
-    # Adapters load only from LORA_MODULES; aborting by id would stop other users' requests.
+    # Adapters load by name from shared sources (engine/adapters), never from a path one job gives;
+    # aborting by id would stop other users' requests.
     **dict.fromkeys([
         "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/adapters", "/adapters/{adapter_name}",
         "/inference/v1/abort_requests",

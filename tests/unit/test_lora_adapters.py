@@ -1,0 +1,123 @@
+"""model/lora_adapters: finding an adapter by name (folders in order, then the local hub) and the
+checks made before vLLM loads it. Adapters here are folders with a config (no weights: no engine)."""
+
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+from pathlib import Path
+
+import pytest
+
+from worker.model.lora_adapters import AdapterError, AdapterSources
+
+SERVED = frozenset({"/models/tiny", "test/tiny"})
+
+
+def adapter(folder: Path, name: str, **config) -> Path:
+    path = folder / name
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, **config}))
+    return path
+
+
+def sources(*folders: Path, hub: tuple[str, ...] = (), check: bool = True) -> AdapterSources:
+    return AdapterSources(tuple((folder, f"folder{i}") for i, folder in enumerate(folders)), hub,
+                          max_rank=16, served_names=SERVED, check_base_model=check)
+
+
+def test_the_first_folder_with_the_name_wins(tmp_path):
+    first, second = tmp_path / "volume", tmp_path / "image"
+    adapter(second, "a")
+    adapter(second, "b")
+    path = adapter(first, "a")
+    found = sources(first, second)
+    assert (found.find("a").path, found.find("a").source) == (path, "folder0")
+    assert found.find("b").source == "folder1"
+    assert found.find("c") is None
+
+
+@pytest.mark.parametrize("name", ["../a", "a/../../b", "/etc", "a/b/c/d", ".hidden", "", "a//b"])
+def test_names_that_would_leave_the_folders_are_not_found(tmp_path, name):
+    adapter(tmp_path / "volume", "a")
+    assert sources(tmp_path / "volume" / "x").find(name) is None
+
+
+def test_names_with_folders_and_the_listing(tmp_path):
+    folder = tmp_path / "volume"
+    for name in ("z", "org/repo", "org/repo2/sub"):
+        adapter(folder, name)
+    (folder / "not-an-adapter").mkdir()
+    adapter(folder, "a/b/c/too-deep")
+    found = sources(folder, tmp_path / "missing")
+    assert found.find("org/repo2/sub").path == folder / "org/repo2/sub"
+    assert [a.name for a in found.available()] == ["org/repo", "org/repo2/sub", "z"]
+
+
+@pytest.mark.parametrize(("config", "reason"), [
+    ({"r": 64}, "has rank 64, above MAX_LORA_RANK=16: set MAX_LORA_RANK=64"),
+    ({"r": 17}, "MAX_LORA_RANK=32"),
+    ({"peft_type": "IA3"}, "is a IA3 adapter: only LoRA adapters are served"),
+    ({"base_model_name_or_path": "other/model"},
+     "was trained for base model 'other/model', not the served 'test/tiny'"),
+])
+def test_what_cannot_be_served_is_a_400_that_says_why(tmp_path, config, reason):
+    adapter(tmp_path, "a", **config)
+    with pytest.raises(AdapterError) as raised:
+        sources(tmp_path).find("a")
+    assert raised.value.status == HTTPStatus.BAD_REQUEST and raised.value.param == "model"
+    assert str(raised.value).startswith("LoRA adapter 'a' ") and reason in str(raised.value)
+
+
+def test_an_unreadable_config_is_a_400(tmp_path):
+    adapter(tmp_path, "a")
+    (tmp_path / "a" / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="unreadable adapter_config.json"):
+        sources(tmp_path).find("a")
+
+
+@pytest.mark.parametrize("base", ["test/tiny", "TEST/Tiny/", "/models/tiny", "/home/me/llama", None])
+def test_a_base_model_that_is_served_or_unknown_passes(tmp_path, base):
+    adapter(tmp_path, "a", base_model_name_or_path=base)
+    assert sources(tmp_path).find("a").name == "a"
+
+
+def test_the_base_model_check_can_be_turned_off(tmp_path):
+    adapter(tmp_path, "a", base_model_name_or_path="other/model")
+    assert sources(tmp_path, check=False).find("a").name == "a"
+
+
+def test_no_check_by_name_when_the_served_model_has_no_repo_id(tmp_path):
+    adapter(tmp_path, "a", base_model_name_or_path="other/model")
+    local_only = AdapterSources(((tmp_path, "volume"),), (), 16, frozenset({"/models/tiny"}))
+    assert local_only.find("a").name == "a"
+
+
+# --- the hub (the local hub of tests/image/local_hub.py) ------------------------------------------
+
+ADAPTER_FILES = {"adapter_config.json": json.dumps({"peft_type": "LORA", "r": 8}).encode(),
+                 "adapter_model.safetensors": b"weights"}
+
+
+def test_hub_adapters_of_allowed_repos_only_their_files(online, hub, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    hub.add_repo("org/one", {**ADAPTER_FILES, "big.bin": b"x" * 1000})
+    hub.add_repo("org/many", {f"sub/{name}": body for name, body in ADAPTER_FILES.items()})
+    hub.add_repo("other/repo", ADAPTER_FILES)
+    found = sources(tmp_path / "volume", hub=("org/*",))
+    one = found.find("org/one")
+    assert one.source == "hub" and sorted(p.name for p in one.path.iterdir()) == sorted(ADAPTER_FILES)
+    assert found.find("org/many/sub").path.name == "sub"
+    assert found.find("org/many") is None  # no adapter at the repo's root
+    assert found.find("org/missing") is None
+    downloads = len(hub.downloads)
+    assert found.find("other/repo") is None and len(hub.downloads) == downloads  # not asked
+
+
+def test_a_local_folder_is_asked_before_the_hub(online, hub, tmp_path):
+    hub.add_repo("org/one", ADAPTER_FILES)
+    path = adapter(tmp_path / "volume", "org/one")
+    assert sources(tmp_path / "volume", hub=("*",)).find("org/one").path == path
+    assert not hub.downloads
