@@ -8,9 +8,10 @@ compile cache cold and warm, weight load formats, on ``Plan.latency_model``), ``
 adaptive concurrency beside ``vllm serve`` and a fixed 30, two workers under a burst, a small KV cache,
 the controller's cost), ``image`` (17-19: the CPU image built with buildah, cold and cached, its
 layers, its start-up beside the checkout's), ``kv`` (20: under KV pressure beside ``vllm serve``, with 0
-and 100 ms of job-take delay). A run writes its parts'
-sections of ``bench/RESULTS.md`` (keeping the other parts' sections) and their charts; ``--quick`` (tiny
-model, short streams, two repetitions) writes them to a temporary folder instead.
+and 100 ms of job-take delay), ``lora`` (21: many LoRA adapters by name beside ``vllm serve``, their
+first use). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts'
+sections) and their charts; ``--quick`` (tiny model, short streams, two repetitions) writes them to a
+temporary folder instead.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 from bench import (adaptive_concurrency, cold_start, common, handler_overhead, image_build, job_start,
-                   kv_pressure, openai_path, report, stub_cost)
+                   kv_pressure, lora_adapters, openai_path, report, stub_cost)
 from bench.common import PARTS
 
 
@@ -80,6 +81,10 @@ def main() -> None:
         _progress(f"item 20, under KV pressure beside vllm serve on {plan.latency_model}, 0 and "
                   f"{kv_pressure.TAKE_DELAY * 1000:.0f} ms job take")
         kv_pressure.run(plan, results)
+    if "lora" in parts:
+        _progress(f"item 21, {lora_adapters.ADAPTERS} LoRA adapters by name beside vllm serve on "
+                  f"{plan.latency_model}, their first use")
+        lora_adapters.run(plan, results)
     if "start" in parts:
         _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
         cold_start.run(plan, results)

@@ -22,11 +22,11 @@ from bench.common import (VLLM_SERVE, WARM_UP_TOKENS, WORKER, Load, Plan, Result
 from bench.servers import Endpoint, VllmServe
 
 
-def _client(base_url: str) -> openai.AsyncOpenAI:
+def openai_client(base_url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=600)
 
 
-async def _chat(client: openai.AsyncOpenAI, model: str, i: int, max_tokens: int) -> Stream:
+async def chat(client: openai.AsyncOpenAI, model: str, i: int, max_tokens: int) -> Stream:
     stream = Stream()
     chunks = await client.chat.completions.create(
         model=model, messages=messages(i), max_tokens=max_tokens, temperature=0, stream=True,
@@ -44,8 +44,8 @@ def load(base_url: str, model: str, n: int, max_tokens: int) -> Load:
     """``n`` concurrent streaming chats; a new client (and event loop) per load."""
 
     async def run() -> Load:
-        async with _client(base_url) as client:
-            return await run_load(n, lambda i, tokens: _chat(client, model, i, tokens), max_tokens)
+        async with openai_client(base_url) as client:
+            return await run_load(n, lambda i, tokens: chat(client, model, i, tokens), max_tokens)
 
     return asyncio.run(run())
 
@@ -54,8 +54,8 @@ def first_request_ratio(base_url: str, model: str, plan: Plan) -> float:
     """Latency of the first request ÷ the median of the ``plan.followups`` after it (sequential)."""
 
     async def run() -> float:
-        async with _client(base_url) as client:
-            latencies = [(await _chat(client, model, i, plan.first_max_tokens)).latency
+        async with openai_client(base_url) as client:
+            latencies = [(await chat(client, model, i, plan.first_max_tokens)).latency
                          for i in range(plan.followups + 1)]
         return latencies[0] / statistics.median(latencies[1:])
 

@@ -11,6 +11,8 @@ place, so a folder holding the stamp is always complete and a finished model is 
 import argparse
 import functools
 import importlib.util
+import json
+import math
 import os
 import random
 import shutil
@@ -252,8 +254,6 @@ def build_whisper(out: Path) -> None:
     Serving audio needs the soundfile package (in the lock), which decodes 16 kHz WAV (also FLAC,
     OGG, MP3); audio at another rate needs PyAV (`av`, not installed) to resample: vLLM answers 400.
     """
-    import json
-
     import torch
     from transformers import (GenerationConfig, WhisperConfig, WhisperFeatureExtractor,
                               WhisperForConditionalGeneration, WhisperProcessor, WhisperTokenizer)
@@ -358,6 +358,45 @@ def build_vlm(out: Path) -> None:
     torch.manual_seed(0)
     Idefics3ForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
     GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
+
+
+def build_lora(base: Path, dest: Path, seed: int, rank: int = 8) -> Path:
+    """A random LoRA adapter for the Llama-like model in ``base``, on q_proj and v_proj: PEFT's two
+    files, written directly (no PEFT, no model load: only ``base``'s config.json is read).
+
+    Drawn as PEFT's ``init_lora_weights=False`` draws them (A and B uniform in ±1/sqrt(fan-in)),
+    with lora_alpha = 8 × rank as tests/conftest.py's adapters: a delta of the size of the base
+    weights, so each adapter (seed) clearly changes greedy output. ``base_model_name_or_path`` is
+    ``str(base)``, which `vllm serve`'s filesystem resolver must find equal to its model's path.
+    Skipped when ``dest`` is built already."""
+    return _atomic(functools.partial(_write_lora, Path(base), seed=seed, rank=rank))(dest)
+
+
+def _write_lora(base: Path, out: Path, seed: int, rank: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    out_features = {"q_proj": heads * head_dim,
+                    "v_proj": config.get("num_key_value_heads", heads) * head_dim}
+    generator = torch.Generator().manual_seed(seed)
+
+    def uniform(rows: int, fan_in: int) -> torch.Tensor:
+        return (torch.rand(rows, fan_in, generator=generator) * 2 - 1) / math.sqrt(fan_in)
+
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, features in out_features.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"  # PEFT's names
+            tensors[f"{name}.lora_A.weight"] = uniform(rank, hidden)
+            tensors[f"{name}.lora_B.weight"] = uniform(features, rank)
+    save_file(tensors, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+        "r": rank, "lora_alpha": 8 * rank, "target_modules": list(out_features), "bias": "none",
+        "lora_dropout": 0.0, "fan_in_fan_out": False, "inference_mode": True}, indent=2))
 
 
 MODELS: dict[str, Callable[[Path], Path]] = {
