@@ -80,23 +80,11 @@ def _build_engine(env: dict[str, str]):
     return vLLMEngine(load_config(env), on_load=LOAD_FEED)
 
 
-def build_lora(base: Path, dest: Path, seed: int = 0, rank: int = 8) -> Path:
-    """A small random LoRA adapter for ``base`` (random B too, so it changes the output)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
-    config = LoraConfig(r=rank, lora_alpha=8 * rank, target_modules=["q_proj", "v_proj"],
-                        init_lora_weights=False)
-    get_peft_model(model, config).save_pretrained(dest)
-    return dest
-
-
 @pytest.fixture(scope="session")
 def tiny_lora(models, tmp_path_factory) -> Path:
-    return build_lora(models["tiny-llama"], tmp_path_factory.mktemp("lora") / "tiny-lora")
+    from build_models import build_lora
+
+    return build_lora(models["tiny-llama"], tmp_path_factory.mktemp("lora") / "tiny-lora", seed=0)
 
 
 @pytest.fixture(scope="session")

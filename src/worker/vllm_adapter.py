@@ -83,7 +83,7 @@ __all__ = [
     "unsupported_architectures",
     "engine_arg_dests", "engine_args_from", "engine_config_message",
     "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_fatal",
-    "Admitted", "allow_adapters_by_name", "gate_requests", "keep_adapters_loaded", "load_adapter",
+    "Admitted", "gate_requests", "keep_adapters_loaded", "load_adapter",
     "LoRARequest", "max_cpu_loras", "plugin_adapter", "serve_adapters", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
     "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
     "SamplingParams", "start_engine", "TokensPrompt", "validate_frontend_args", "visible_gpu_count",
@@ -566,6 +566,7 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adap
     await state_module.init_app_state(engine, app.state, namespace, supported_tasks)
     if adapters is not None and (models := getattr(app.state, "openai_serving_models", None)):
         serve_adapters(models, adapters.resolve, adapters.loaded, adapters.available)
+        _allow_adapters_by_name()
     freeze_gc_heap()
     return app
 
@@ -581,11 +582,16 @@ def make_sampling_params(fields: dict, output_kind: RequestOutputKind) -> Sampli
 ResolveAdapter = Callable[[str], Awaitable[LoRARequest]]  # raises RequestError with its status
 
 
-def allow_adapters_by_name() -> None:
+def _allow_adapters_by_name() -> None:
     """Lets vLLM's serving classes ask for an adapter they do not know (``resolve_lora``), as
-    `vllm serve` does with VLLM_ALLOW_RUNTIME_LORA_UPDATING. That variable also adds vLLM's load
-    and unload routes to its app, which no job reaches (``routes/route_table.DENIED``)."""
+    `vllm serve` does with VLLM_ALLOW_RUNTIME_LORA_UPDATING, which they read at each request. Set
+    once the app is built: read then, it would add vLLM's load and unload routes (which no job may
+    call) and a warning that they are on. vLLM caches its variables in a process that ran an
+    engine core: the cache is made again."""
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if vllm.envs._is_envs_cache_enabled():
+        vllm.envs.disable_envs_cache()
+        vllm.envs.enable_envs_cache()
 
 
 def max_cpu_loras(llm: AsyncLLM) -> int:

@@ -14,7 +14,8 @@ import anthropic
 import openai
 import pytest
 import runpod
-from conftest import alive, build_lora, cosine, descendants, wait_for
+from build_models import build_lora
+from conftest import alive, cosine, descendants, wait_for
 from local_endpoint import API_KEY, HF_TOKEN, LocalEndpoint, openai_fixtures, worker_pids
 
 

@@ -9,7 +9,8 @@ import json
 import shutil
 
 import pytest
-from conftest import _build_engine, build_lora, engine_env
+from build_models import build_lora
+from conftest import _build_engine, engine_env
 from openai.types import Completion
 
 from worker.routes.serving import OpenAIvLLMEngine

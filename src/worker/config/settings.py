@@ -26,7 +26,7 @@ Outside this layer the environment is touched on purpose in these places only:
   engine process, ``engine_failure`` in the worker's);
 - ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
   the engine's processes, which inherit them, unless the user set them (``_users_own``).
-- ``vllm_adapter.allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
+- ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
   vLLM's serving classes ask the worker's adapter registry for a name they do not know.
 
 vLLM, torch and huggingface_hub read their own variables (VLLM_*, TORCH*, HF_*) as they do for

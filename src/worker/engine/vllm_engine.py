@@ -36,7 +36,6 @@ from worker.vllm_adapter import (
     AsyncLLM,
     LoadObserver,
     LoRARequest,
-    allow_adapters_by_name,
     gate_requests,
     PoolingParams,
     RequestOutput,
@@ -86,7 +85,6 @@ async def _start(config: WorkerConfig, on_load: LoadObserver | None,
     llm = start_engine(config.args.engine_config(), config.args.engine_args, on_load)
     adapters = None
     if config.adapters and llm.vllm_config.lora_config:
-        allow_adapters_by_name()
         adapters = Adapters(llm, config.adapters)
     if admitted is not None:  # around the registry's wrapper: an adapter is loaded once admitted
         gate_requests(llm, admitted)
