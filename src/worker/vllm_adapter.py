@@ -636,10 +636,11 @@ def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRAReques
         try:
             return await resolve(name)
         except RequestError as exc:
-            if exc.status not in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
-                raise GracefulHTTPError(str(exc), exc.status) from None  # vLLM reads 400 and 404 only
-            return _vllm_error_response(str(exc), status_code=exc.status, param="model",
-                                        err_type="NotFoundError" if exc.status == HTTPStatus.NOT_FOUND
+            status = HTTPStatus(exc.status)
+            if status not in (HTTPStatus.BAD_REQUEST, HTTPStatus.NOT_FOUND):
+                raise GracefulHTTPError(str(exc), status) from None  # vLLM reads 400 and 404 only
+            return _vllm_error_response(str(exc), status_code=status, param="model",
+                                        err_type="NotFoundError" if status == HTTPStatus.NOT_FOUND
                                         else "BadRequestError")
 
     show_loaded = models.show_available_models

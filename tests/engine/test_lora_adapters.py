@@ -5,6 +5,7 @@ families and raw jobs. The same weights loaded through LORA_MODULES are the refe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -182,3 +183,21 @@ def test_models_lists_the_base_loaded_and_available_adapters(openai, run_openai,
     assert {"a", "only-second", "org/in-folder", "rank-32", "damaged"} <= set(ids)
     assert len(ids) == len(set(ids))
     assert all(card["parent"] == SERVED for card in item["data"][1:])
+
+
+def test_an_adapter_from_the_hub_and_a_hub_out_of_reach(engine, openai, run_openai, run_job, online, hub,
+                                                        folders, monkeypatch):
+    """The local hub serves a copy of adapter "a" as org/hub-a (a repo LORA_HUB_REPOS allows), then
+    stops answering: a name not fetched yet is a 502, on the route and on a raw job."""
+    import huggingface_hub.constants
+
+    volume, _ = folders
+    monkeypatch.setattr(engine.adapters, "sources", dataclasses.replace(engine.adapters.sources,
+                                                                        hub_repos=("org/hub-*",)))
+    hub.add_repo("org/hub-a", {path.name: path for path in (volume / "a").iterdir()})
+    assert text(complete(run_openai, openai, "org/hub-a")) == text(complete(run_openai, openai, "a"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    (item,) = run_openai(openai, "/v1/completions", {"model": "org/hub-b", "prompt": PROMPT, "max_tokens": 3})
+    assert item["error"]["code"] == 502 and "could not be fetched from the hub" in item["error"]["message"]
+    (item,) = run_job(engine, {"prompt": PROMPT, "model": "org/hub-b"})
+    assert item["error"]["code"] == 502

@@ -121,3 +121,15 @@ def test_a_local_folder_is_asked_before_the_hub(online, hub, tmp_path):
     path = adapter(tmp_path / "volume", "org/one")
     assert sources(tmp_path / "volume", hub=("*",)).find("org/one").path == path
     assert not hub.downloads
+
+
+def test_a_hub_out_of_reach_is_a_502_and_offline_only_the_cache_is_asked(online, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    found = sources(tmp_path / "volume", hub=("org/*",))
+    with pytest.raises(AdapterError, match="could not be fetched from the hub") as raised:
+        found.find("org/one")
+    assert raised.value.status == HTTPStatus.BAD_GATEWAY
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert found.find("org/one") is None

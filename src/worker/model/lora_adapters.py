@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
+from huggingface_hub import constants, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
@@ -121,7 +121,12 @@ class AdapterSources:
         try:
             snapshot = snapshot_download(repo, allow_patterns=[prefix + CONFIG_FILE,
                                                                *(prefix + p for p in _WEIGHT_PATTERNS)])
-        except (RepositoryNotFoundError, EntryNotFoundError, LocalEntryNotFoundError):
+        except LocalEntryNotFoundError as exc:  # (before its base class) offline, or the hub out of reach
+            if constants.HF_HUB_OFFLINE:
+                return None
+            raise AdapterError(name, f"could not be fetched from the hub: {exc}", HTTPStatus.BAD_GATEWAY) \
+                from None
+        except (RepositoryNotFoundError, EntryNotFoundError):
             return None
         except GatedRepoError:
             raise AdapterError(name, f"is in a gated or private repo ({repo}) that HF_TOKEN cannot read")
