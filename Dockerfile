@@ -33,9 +33,10 @@ ENV BASE_PATH=${BASE_PATH} \
     RUNPOD_DEBUG_LEVEL=INFO \
     PYTHONPATH=/src
 
-# Optional baked model (nothing is baked when MODEL_NAME is empty). The script is copied on its own
-# so that code changes do not invalidate the large model layer. The Hugging Face token is a BuildKit
-# secret file, read through HF_TOKEN_PATH: it never enters a build arg, an env var or a layer.
+# Optional baked model and LoRA adapters (nothing is baked when MODEL_NAME and LORA_ADAPTERS are
+# empty). The script is copied on its own so that code changes do not invalidate the large model
+# layer. The Hugging Face token is a BuildKit secret file, read through HF_TOKEN_PATH: it never
+# enters a build arg, an env var or a layer.
 # HF_HOME points at a temporary folder for this step so that hub/xet caches are not kept.
 ARG MODEL_NAME=""
 ARG MODEL_REVISION=""
@@ -43,18 +44,21 @@ ARG QUANTIZATION=""
 # DL3064 reads "TOKEN" in these names as a secret; they name a tokenizer repo and its revision.
 # hadolint ignore=DL3064
 ARG TOKENIZER_NAME="" TOKENIZER_REVISION=""
+# LoRA adapters, comma-separated `org/repo`, `org/repo/sub/folder` or `name=source`: in /models/loras.
+ARG LORA_ADAPTERS=""
 # The hub to bake from: huggingface.co, or a mirror or private hub speaking its API.
 ARG HF_ENDPOINT=https://huggingface.co
 # Only what the bake step imports, so that a change to other code does not bake again.
 COPY src/download_model.py /src/
 COPY src/worker/__init__.py src/worker/env_text.py /src/worker/
-COPY src/worker/model/__init__.py src/worker/model/baked_args.py src/worker/model/download_model.py \
-     /src/worker/model/
+COPY src/worker/model/__init__.py src/worker/model/adapter_files.py src/worker/model/baked_args.py \
+     src/worker/model/download_model.py /src/worker/model/
 RUN --mount=type=secret,id=HF_TOKEN \
     HF_TOKEN_PATH=/run/secrets/HF_TOKEN HF_HOME=/tmp/hf-home python3 /src/download_model.py \
     && rm -rf /tmp/hf-home
 # A baked image serves its own copy with no hub access (`${MODEL_NAME:+1}` is "1" when a model was
 # baked, empty otherwise); set HF_HUB_OFFLINE=0 at run time to serve another model from the hub.
+# Adapters baked alone leave the hub on: the model they serve with is downloaded at start-up.
 ENV HF_HUB_OFFLINE=${MODEL_NAME:+1}
 
 WORKDIR /src

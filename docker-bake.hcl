@@ -3,6 +3,7 @@
 # docker buildx bake worker-next                      the worker on NEXT_VLLM_VERSION (contract-checked)
 # docker buildx bake worker-cpu                       the worker on a CPU base (vLLM's CPU build)
 # MODEL_NAME=org/name docker buildx bake worker-cpu-baked  the same with org/name baked in
+# LORA_ADAPTERS=org/adapter,name=org/repo/sub with a -baked target bakes those LoRA adapters too.
 # Every variable can be set the same way (from the environment) or with --set. The Hugging Face
 # token for gated or private models is read from the HF_TOKEN environment variable as a BuildKit
 # secret: it never becomes a build arg or part of a layer.
@@ -58,6 +59,10 @@ variable "QUANTIZATION" {
   default = ""
 }
 
+variable "LORA_ADAPTERS" {
+  default = ""
+}
+
 variable "HF_ENDPOINT" {
   default = "https://huggingface.co"
 }
@@ -78,7 +83,7 @@ target "worker" {
   }
 }
 
-# The worker with a model baked in; tagged with the model's name.
+# The worker with a model (and LoRA adapters) baked in; tagged with the model's name.
 target "worker-baked" {
   inherits = ["worker"]
   tags     = ["${DOCKERHUB_REPO}/${DOCKERHUB_IMG}:${RELEASE_VERSION}-${regex_replace(lower(MODEL_NAME), "[^a-z0-9_.-]+", "-")}"]
@@ -89,6 +94,7 @@ target "worker-baked" {
     TOKENIZER_NAME     = TOKENIZER_NAME
     TOKENIZER_REVISION = TOKENIZER_REVISION
     QUANTIZATION       = QUANTIZATION
+    LORA_ADAPTERS      = LORA_ADAPTERS
     HF_ENDPOINT        = HF_ENDPOINT
   }
 }

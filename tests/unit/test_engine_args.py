@@ -124,6 +124,30 @@ def test_explicit_served_name_wins_over_baked_repo_id(files):
     assert resolve(files, SERVED_MODEL_NAME="mine").engine_args.served_model_name == ["mine"]
 
 
+def test_adapters_baked_alone_turn_lora_on_for_the_model_named_at_run_time(files):
+    files.write_baked(BAKED_LORA_DIR="/models/loras", ENABLE_LORA="true")
+    resolved = resolve(files, MODEL_NAME="org/model")
+    assert resolved.engine_args.enable_lora and resolved.engine_args.model == "org/model"
+    assert resolved.flags["enable_lora"].source == "baked local_model_args.json ENABLE_LORA"
+
+
+def test_adapters_baked_with_a_model_go_with_it(files):
+    files.write_baked(MODEL_NAME=files.model("snap"), BAKED_MODEL_NAME="org/model",
+                      BAKED_LORA_DIR="/models/loras", ENABLE_LORA="true")
+    assert resolve(files, MODEL_NAME="org/model").engine_args.enable_lora
+    assert not resolve(files, MODEL_NAME="other/model").engine_args.enable_lora
+
+
+@pytest.mark.parametrize(("env", "first"), [
+    ({"LORA_DIRS": "/a:/b"}, ((Path("/a"), "LORA_DIRS"), (Path("/b"), "LORA_DIRS"))),
+    ({"BASE_PATH": "/volume"}, ((Path("/volume/loras"), "volume"),)),
+])
+def test_the_image_adapters_are_searched_after_the_volumes(files, env, first):
+    files.write_baked(BAKED_LORA_DIR="/models/loras", ENABLE_LORA="true")
+    config = load_config(files.env(MODEL_NAME="org/model", **env))
+    assert config.adapters.folders == (*first, (Path("/models/loras"), "image"))
+
+
 # --- env string coercion, by the type vLLM declares ----------------------------------------
 
 @pytest.mark.parametrize(("text", "expected"), [

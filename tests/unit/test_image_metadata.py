@@ -40,7 +40,7 @@ HUB_TESTS = json.loads((REPO / ".runpod" / "tests.json").read_text())
 WORKER_CONFIG = json.loads((REPO / "worker-config.json").read_text())
 
 BUILD_ARGS = {"MODEL_NAME", "MODEL_REVISION", "TOKENIZER_NAME", "TOKENIZER_REVISION", "BASE_PATH",
-              "QUANTIZATION", "VLLM_NIGHTLY", "HF_ENDPOINT"}
+              "QUANTIZATION", "LORA_ADAPTERS", "VLLM_NIGHTLY", "HF_ENDPOINT"}
 WORKER_SETTINGS = {f.validation_alias.choices[0]: f for f in WorkerSettings.model_fields.values()}
 
 

@@ -136,7 +136,7 @@ def test_a_gated_repo_bakes_with_its_token_only(hub, tmp_path, token):
         return
     assert result.returncode == 1
     hint = "build with a token" if token is None else "check that the token given can read it"
-    assert f"Cannot bake the model: org/gated (revision main) is gated: accept its terms on " \
+    assert f"Cannot bake: org/gated (revision main) is gated: accept its terms on " \
            f"huggingface.co, then {hint}" in result.stderr
     assert not (tmp_path / "local_model_args.json").exists()
 
@@ -150,7 +150,7 @@ def test_unknown_repos_and_revisions_fail_the_build(hub, tmp_path, model, revisi
     hub.add_repo("org/model", RELEASE)
     result = bake(hub, tmp_path, MODEL_NAME=model, MODEL_REVISION=revision)
     assert result.returncode == 1
-    assert f"Cannot bake the model: {message}" in result.stderr
+    assert f"Cannot bake: {message}" in result.stderr
 
 
 # --- huggingface_hub against the hub -------------------------------------------------------------
@@ -159,7 +159,7 @@ def test_a_token_the_hub_refuses_fails_the_build_saying_so(hub, tmp_path):
     hub.add_repo("org/model", RELEASE)
     result = bake(hub, tmp_path, REVOKED, MODEL_NAME="org/model")
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "Cannot bake the model: org/model (revision main): the hub refused the token (invalid or " \
+    assert "Cannot bake: org/model (revision main): the hub refused the token (invalid or " \
            "revoked): build with a valid read token" in result.stderr
 
 

@@ -10,7 +10,7 @@ Precedence, highest first (each layer is one function returning ``{dest: Setting
                      (``arg_parser.SERVER_ONLY``), plus worker-vllm's legacy names (``config/legacy_env``)
 3. config file       YAML at ``VLLM_CONFIG_FILE`` (``/vllm_config.yaml``), keys as in ``vllm serve --config``
                      (the HTTP server's flags ignored with a warning)
-4. baked args        ``/local_model_args.json``, written when a model is baked into the image
+4. baked args        ``/local_model_args.json``, written when a model or LoRA adapters are baked in
 5. worker defaults   ``WORKER_DEFAULTS``
 6. vLLM defaults
 
@@ -270,8 +270,9 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
               _env_layer(parser, env, errors), _alias_layer(parser, env, errors)]
     merged = {dest: s for layer in layers for dest, s in layer.items()}
     served_repo = baked_args.use_baked_copies(merged, baked, baked_file)
-    if baked and merged.get("model") is not baked.get("model"):
-        # Another model is served: the baked tokenizer, quantization, ... describe the baked one.
+    if "model" in baked and merged.get("model") is not baked["model"]:
+        # Another model is served: the baked tokenizer, quantization, ... describe the baked one
+        # (adapters baked without a model are for the model named at run time: their LoRA switch holds).
         merged = {dest: s for layer in layers if layer is not baked for dest, s in layer.items()}
     if downloaded and _use_download(merged, "model", downloaded[0]):
         served_repo = downloaded[0].repo

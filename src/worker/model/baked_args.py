@@ -1,9 +1,10 @@
-"""The baked-args file: what ``model/download_model`` writes when a model is baked into the image,
-and the worker's configuration layer built from it.
+"""The baked-args file: what ``model/download_model`` writes when a model or LoRA adapters are baked
+into the image, and the worker's configuration layer built from it.
 
 The file is a JSON object of env-style names: the local snapshot paths as ``MODEL_NAME`` /
 ``TOKENIZER_NAME``, the repos they came from as ``BAKED_MODEL_NAME`` / ``BAKED_TOKENIZER_NAME``,
-and ``QUANTIZATION``. Plain (no vLLM): the image's bake step runs it with only its own files.
+and ``QUANTIZATION``; with adapters, their folder as ``BAKED_LORA_DIR`` and ``ENABLE_LORA``. Plain
+(no vLLM): the image's bake step runs it with only its own files.
 """
 
 from __future__ import annotations
@@ -32,15 +33,19 @@ def args_file(env: Mapping[str, str]) -> Path:
     return Path(env_value(ARGS_FILE_ENV, env) or DEFAULT_ARGS_FILE)
 
 
-def write(path: Path, model: str, local_model: Path, tokenizer: tuple[str, Path] | None = None,
-          quantization: str | None = None) -> dict[str, str]:
-    """Write the file for ``model`` baked at ``local_model`` (and a tokenizer from another repo);
-    returns what was written."""
-    baked = {"MODEL_NAME": str(local_model), BAKED_SOURCE_KEYS["model"]: model}
+def write(path: Path, model: tuple[str, Path] | None = None, tokenizer: tuple[str, Path] | None = None,
+          quantization: str | None = None, lora_dir: Path | None = None) -> dict[str, str]:
+    """Write the file for a model baked from repo ``model[0]`` at ``model[1]`` (and a tokenizer from
+    another repo), and for LoRA adapters baked in ``lora_dir``; returns what was written."""
+    baked: dict[str, str] = {}
+    if model is not None:
+        baked |= {"MODEL_NAME": str(model[1]), BAKED_SOURCE_KEYS["model"]: model[0]}
     if tokenizer is not None:
         baked |= {"TOKENIZER_NAME": str(tokenizer[1]), BAKED_SOURCE_KEYS["tokenizer"]: tokenizer[0]}
     if quantization:
         baked["QUANTIZATION"] = quantization
+    if lora_dir is not None:  # requests name the adapters as models: vLLM serves them with LoRA on
+        baked |= {BAKED_LORA_DIR_KEY: str(lora_dir), "ENABLE_LORA": "true"}
     path.write_text(json.dumps(baked, indent=2) + "\n")
     return baked
 

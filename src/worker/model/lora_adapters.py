@@ -37,19 +37,15 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
 )
 
+from worker.model.adapter_files import ADAPTER_FILES, CONFIG_FILE, NAME
 from worker.wire.errors import RequestError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Adapter", "AdapterError", "AdapterSources", "CONFIG_FILE", "VLLM_LORA_RANKS"]
 
-CONFIG_FILE = "adapter_config.json"
-# The weights PEFT saves beside the config (vLLM reads the first it finds).
-_WEIGHT_PATTERNS = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 # vLLM's choices for --max-lora-rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-# A name is one to three path segments (``name``, ``org/repo``, ``org/repo/sub``), never ``..``.
-_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*){0,2}")
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _MAX_DEPTH = 3
 
@@ -90,7 +86,7 @@ class AdapterSources:
     def find(self, name: str) -> Adapter | None:
         """The adapter called ``name``, checked; None when no source has it. Blocking: a hub
         adapter is downloaded (run it in a thread)."""
-        if not _NAME.fullmatch(name):
+        if not NAME.fullmatch(name):
             return None
         for folder, label in self.folders:
             if (folder / name / CONFIG_FILE).is_file():
@@ -106,7 +102,7 @@ class AdapterSources:
         for folder, label in self.folders:
             for path in _adapter_folders(folder, _MAX_DEPTH):
                 name = path.relative_to(folder).as_posix()
-                if _NAME.fullmatch(name):
+                if NAME.fullmatch(name):
                     found.setdefault(name, Adapter(name, path, label))
         return sorted(found.values(), key=lambda adapter: adapter.name)
 
@@ -119,8 +115,7 @@ class AdapterSources:
             return None
         prefix = f"{sub}/" if sub else ""
         try:
-            snapshot = snapshot_download(repo, allow_patterns=[prefix + CONFIG_FILE,
-                                                               *(prefix + p for p in _WEIGHT_PATTERNS)])
+            snapshot = snapshot_download(repo, allow_patterns=[prefix + file for file in ADAPTER_FILES])
         except LocalEntryNotFoundError as exc:  # (before its base class) offline, or the hub out of reach
             if constants.HF_HUB_OFFLINE:
                 return None
