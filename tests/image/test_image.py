@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import pytest
+from build_models import build_lora
 from conftest import CPU_ENV, REPO
 from doc_pages import README, section
 from image import Built, build, buildah, copy_context, image_config
@@ -39,11 +40,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 # DTYPE: the dequantised SmolLM2 answers "Paris" in float32 (see conftest.SMOLLM2_DTYPE).
 COMMITS: dict[str, str] = {}  # the hub's commits by tag
 OTHER_TOKEN = "hf_not_the_token"
+# LoRA adapters of SmolLM2 on the hub (repo → the folder that holds the adapter), baked in as
+# LORA_ADAPTERS names them: one under its repo id, one from a sub-folder under a name of its own.
+ADAPTER_REPOS = {"local/smollm2-adapter": "", "local/smollm2-adapters": "customers/x/"}
+LORA_ADAPTERS = "local/smollm2-adapter,customer-x=local/smollm2-adapters/customers/x"
 CONTAINER_ENV = {k: v for k, v in CPU_ENV.items() if k != "VLLM_RPC_BASE_PATH"} | {"DTYPE": "float32"}
 
 
 @pytest.fixture(scope="module")
-def hub(models) -> Iterator[LocalHub]:
+def hub(models, tmp_path_factory) -> Iterator[LocalHub]:
     smollm2 = models["smollm2-135m-instruct"]
     files = {p.name: p for p in smollm2.iterdir() if p.is_file()}
     model_files = {name: path for name, path in files.items() if name not in TOKENIZER_FILES}
@@ -53,13 +58,17 @@ def hub(models) -> Iterator[LocalHub]:
         hub.add_repo(MODEL, {**model_files, "config.json": b'{"architectures": ["Moved"]}'}, token=TOKEN)
         hub.add_repo(TOKENIZER, {name: files[name] for name in TOKENIZER_FILES})
         hub.add_repo("local/tiny-llama", {p.name: p for p in models["tiny-llama"].iterdir() if p.is_file()})
+        adapters = tmp_path_factory.mktemp("adapters")
+        for repo, folder in ADAPTER_REPOS.items():
+            adapter = build_lora(smollm2, adapters / repo, seed=len(folder))
+            hub.add_repo(repo, {f"{folder}{p.name}": p for p in adapter.iterdir()})
         hub.add_token(OTHER_TOKEN)  # valid, of an account without access to the gated repo
         yield hub
 
 
 def bake(hub: LocalHub, tag: str, token: str | None = TOKEN, context: Path = REPO, **args: str) -> Built:
     overrides = {"MODEL_NAME": MODEL, "MODEL_REVISION": REVISION, "TOKENIZER_NAME": TOKENIZER,
-                 "HF_ENDPOINT": hub.url} | args
+                 "LORA_ADAPTERS": LORA_ADAPTERS, "HF_ENDPOINT": hub.url} | args
     env = {"HF_TOKEN": token} if token else {}
     return build("worker-cpu-baked", overrides, tag=f"localhost/worker-vllm-test:{tag}", context=context,
                  env=env)
@@ -106,6 +115,10 @@ def test_the_cpu_image_runs_the_worker_with_the_model_baked_in(baked, models):
         assert not (model_dir / "tokenizer.json").exists()
         assert (root / "src" / "handler.py").read_bytes() == (REPO / "src" / "handler.py").read_bytes()
         assert not (root / "tmp" / "hf-home").exists()  # the bake step's hub cache is not kept
+        assert args["ENABLE_LORA"] == "true" and args["BAKED_LORA_DIR"] == "/models/loras"
+        for name in ("local/smollm2-adapter", "customer-x"):
+            assert sorted(p.name for p in (root / "models/loras" / name).iterdir()) == [
+                "adapter_config.json", "adapter_model.safetensors"]
         assert not (root / "run" / "secrets").exists() or not list((root / "run" / "secrets").iterdir())
 
 
@@ -217,6 +230,22 @@ def test_streamed_chat_through_the_openai_client(endpoint):
         temperature=0, max_tokens=20, stream=True)
     chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
     assert len(chunks) > 3 and "Paris" in "".join(chunks)
+
+
+def test_the_baked_adapters_served_by_name_offline(endpoint):
+    """One request at a time: on the CPU, vLLM 0.32 applies an adapter to a base-model request batched
+    beside it (vllm-project/vllm#48421)."""
+    client = endpoint.openai_client()
+
+    def answer(model):
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=12).choices[0].message.content
+
+    answers = [answer(model) for model in (MODEL, "local/smollm2-adapter", "customer-x")]
+    assert "Paris" in answers[0] and len(set(answers)) == 3
+    listed = [card.id for card in client.models.list().data]
+    assert listed[0] == MODEL and {"local/smollm2-adapter", "customer-x"} <= set(listed)
 
 
 def test_the_hub_tests_pass_against_the_image(endpoint):
