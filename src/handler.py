@@ -15,6 +15,11 @@ check and fetch the model, read and validate all configuration, build the engine
 once the engine is ready. A start that fails answers every job with the cause for a while, then
 exits: status 2 when settings must change, 1 otherwise (``startup/failed_start``).
 
+On a load-balancing endpoint (``settings.endpoint_kind``) the worker serves HTTP instead of taking
+jobs (``load_balancer/``): its port answers ``/ping`` from the first moment, vLLM's routes and raw
+jobs (``handler``, on ``/runsync`` and ``/stream``) once the engine is ready, and a failed start's
+cause in the same way.
+
 A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
 engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
 """
@@ -32,18 +37,19 @@ import time
 from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from worker.env_text import env_value
-from worker.jobs.deadlines import DeadlinePassed, Deadlines
+from worker.jobs.deadlines import DeadlinePassed, Deadlines, deadline_error
 from worker.jobs.job_input import JobInput
 from worker.startup.process_exit import stop_then_exit
 from worker.wire.dialects import is_anthropic_route
-from worker.wire.errors import ErrorPayload, RequestError, StartupError, error_from_exception, error_response
+from worker.wire.errors import RequestError, StartupError, error_from_exception, error_response
 
 if TYPE_CHECKING:
-    from worker.config.settings import WorkerConfig, WorkerSettings
+    from worker.config.settings import EndpointKind, WorkerConfig, WorkerSettings
     from worker.engine.vllm_engine import vLLMEngine
+    from worker.load_balancer.server import WorkerServer
     from worker.scheduling.concurrency import Concurrency
 
 log = logging.getLogger("handler")
@@ -65,20 +71,6 @@ def _exit_soon(code: int) -> None:
         return
     _engine_dead.set()
     stop_then_exit(code, FATAL_EXIT_DELAY)
-
-
-def _deadline_error(job_id: Any, passed: DeadlinePassed, timeout: float | None,
-                    grace_period: float, anthropic: bool) -> ErrorPayload:
-    if passed.shutdown:
-        log.warning("Job %s still running at the end of the shutdown grace period; aborted", job_id)
-        return error_response(
-            HTTPStatus.SERVICE_UNAVAILABLE,
-            f"the worker is shutting down and the job did not finish within the {grace_period:g} s "
-            "grace period (SHUTDOWN_GRACE_PERIOD); it was aborted", anthropic=anthropic)
-    log.warning("Job %s ran past its %s s timeout; aborted", job_id, timeout)
-    return error_response(HTTPStatus.REQUEST_TIMEOUT,
-                          f"the job ran past its timeout of {timeout:g} s and was aborted",
-                          param="timeout", anthropic=anthropic)
 
 
 def _add_grace_period(grace_period: float) -> None:
@@ -119,8 +111,8 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         async for item in deadlines.bound(engine.generate(job_input), timeout):
             yield item
     except DeadlinePassed as passed:
-        yield _deadline_error(job.get("id"), passed, timeout, engine.settings.shutdown_grace_period,
-                              anthropic)
+        yield deadline_error(f"Job {job.get('id')}", passed, timeout, engine.settings.shutdown_grace_period,
+                             anthropic)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
         from worker.vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
 
@@ -237,6 +229,56 @@ def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str
     return vllm_engine.config, jobs, cache_state
 
 
+def _bind_ports(kind: EndpointKind) -> WorkerServer | None:
+    """On a load-balancing endpoint, the HTTP server, answering ``/ping`` from now on."""
+    if not kind.load_balancer:
+        return None
+    from worker.load_balancer.server import WorkerServer
+
+    log.info("Serving HTTP: a load-balancing endpoint (%s)", kind.reason)
+    try:
+        return WorkerServer(kind)
+    except OSError as exc:  # nothing can answer callers: say why in the log
+        log.critical("Cannot listen on port %d (PORT) or %d (PORT_HEALTH): %s", kind.port, kind.health_port, exc)
+        sys.exit(1)
+
+
+def _answer_failure(failure: StartupError, server: WorkerServer | None) -> NoReturn:
+    """Answer every job or request with ``failure`` for a while, then exit."""
+    from worker.config.settings import failure_answer_seconds
+    from worker.startup import failed_start
+
+    if server is None:
+        failed_start.serve(failure, failure_answer_seconds())
+    if (seconds := failure_answer_seconds()) > 0:
+        server.answer_failure(failure, seconds)
+    sys.exit(failed_start.exit_status(failure))
+
+
+def _serve_http(server: WorkerServer, settings: WorkerSettings) -> None:
+    """Serve the routes and raw jobs over HTTP until SIGTERM (``load_balancer/server``)."""
+    from worker.load_balancer.app import Serving
+    from worker.vllm_adapter import is_dead
+
+    server.serve(Serving(openai_engine.app, openai_engine.routes, handler, deadlines, settings,
+                         is_dead=lambda: is_dead(vllm_engine.llm), on_death=lambda: _exit_soon(1)),
+                 vllm_engine.loop)
+
+
+def _take_jobs(config: WorkerConfig, jobs: Concurrency) -> None:
+    """Take jobs from RunPod's queue until SIGTERM (the runpod SDK's loop)."""
+    import runpod
+
+    from worker.scheduling import job_loop
+
+    resizes_busy = job_loop.install(config.settings.job_loop == "worker")
+    runpod.serverless.start({
+        "handler": handler,
+        "concurrency_modifier": _concurrency(config.settings, jobs, resizes_busy),
+        "return_aggregate_stream": True,
+    })
+
+
 def main() -> None:
     _configure_logging()
     # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK
@@ -253,35 +295,32 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    from worker.config.settings import failure_answer_seconds
-    from worker.startup import failed_start
+    from worker.config.settings import endpoint_kind
 
     phase("imports")
+    server = None
     try:
+        kind = endpoint_kind()
+        server = _bind_ports(kind)
         config, jobs, cache_state = _start(phase)
     except StartupError as failure:
         log.error("Worker could not start: %s", failure)
-        failed_start.serve(failure, failure_answer_seconds())
+        _answer_failure(failure, server)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the callers are told
         log.exception("Worker startup failed")
         if vllm_engine is not None:  # it failed after the engine started: stop vLLM's processes
             vllm_engine.shutdown()
-        failed_start.serve(StartupError(f"{type(exc).__name__}: {exc}"), failure_answer_seconds())
-    import runpod
-
-    from worker.scheduling import job_loop
-
-    log.info("Worker ready: taking %d to %d concurrent jobs, %d at first; start-up %s; compile cache %s",
-             jobs.floor, jobs.cap, jobs.target,
+        _answer_failure(StartupError(f"{type(exc).__name__}: {exc}"), server)
+    log.info("Worker ready: %s; start-up %s; compile cache %s",
+             f"serving HTTP on port {kind.port}" if server else
+             f"taking {jobs.floor} to {jobs.cap} concurrent jobs, {jobs.target} at first",
              " ".join(f"{name}={seconds:.2f}s" for name, seconds in phases.items()), cache_state)
-    resizes_busy = job_loop.install(config.settings.job_loop == "worker")
     try:
-        runpod.serverless.start({
-            "handler": handler,
-            "concurrency_modifier": _concurrency(config.settings, jobs, resizes_busy),
-            "return_aggregate_stream": True,
-        })
-    finally:  # the SDK returns after SIGTERM: stop vLLM's processes rather than orphan them
+        if server:
+            _serve_http(server, config.settings)
+        else:
+            _take_jobs(config, jobs)
+    finally:  # both return after SIGTERM: stop vLLM's processes rather than orphan them
         vllm_engine.shutdown()
     if _engine_dead.is_set():
         sys.exit(1)

@@ -82,7 +82,7 @@ __all__ = [
     "engine_failure", "ENGINE_FAILURE_FILE_ENV", "memory_estimate", "note_engine_failures",
     "unsupported_architectures",
     "engine_arg_dests", "engine_args_from", "engine_config_message",
-    "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_fatal",
+    "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_dead", "is_fatal",
     "Admitted", "gate_requests", "keep_adapters_loaded", "load_adapter",
     "LoRARequest", "max_cpu_loras", "plugin_adapter", "serve_adapters", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
     "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
@@ -101,6 +101,11 @@ REQUEST_ERRORS = (VLLMClientError, ValueError, TypeError, msgspec.ValidationErro
 def is_fatal(exc: BaseException) -> bool:
     """True when the engine cannot serve again and the process must be replaced."""
     return isinstance(exc, FATAL_ERRORS)
+
+
+def is_dead(llm: AsyncLLM) -> bool:
+    """True once the engine has failed for good (its processes died): the worker must be replaced."""
+    return llm.errored
 
 
 def error_status(exc: Exception) -> HTTPStatus:

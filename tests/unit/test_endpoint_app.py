@@ -12,9 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from endpoint.app import EndpointConfig, create_app
 from endpoint.jobs import JobStore
 
-import handler
 from worker.wire.body_envelope import Envelope
-from worker.jobs.deadlines import DeadlinePassed
+from worker.jobs.deadlines import DeadlinePassed, deadline_error
 from worker.wire.dialects import is_anthropic_route
 
 CHAT = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]}
@@ -128,8 +127,8 @@ def test_the_workers_own_errors_reach_the_sdks_with_their_status_and_dialect(
         route, shutdown, status, anthropic_type):
     """A job timeout or the shutdown grace period, as the handler words it and the runpod SDK
     posts it (``str()`` of the item's ``error``), through the relay to the official clients."""
-    wording = handler._deadline_error("j", DeadlinePassed(shutdown), 0.3, 25.0,
-                                      anthropic=is_anthropic_route(route))
+    wording = deadline_error("Job j", DeadlinePassed(shutdown), 0.3, 25.0,
+                             anthropic=is_anthropic_route(route))
 
     async def worker(client):
         await post(client, "job-done", await take(client), {"error": str(wording["error"])})

@@ -12,7 +12,7 @@ from doc_pages import README, section
 
 SRC = REPO / "src"
 # Bottom to top: a room may import from the rooms before it (and itself), never after.
-ROOMS = ["env_text", "wire", "vllm_adapter", "model", "config", "jobs", "engine", "routes", "scheduling", "startup"]
+ROOMS = ["env_text", "wire", "vllm_adapter", "model", "config", "jobs", "engine", "routes", "load_balancer", "scheduling", "startup"]
 
 
 def _modules() -> dict[str, ast.Module]:

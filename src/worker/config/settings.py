@@ -9,9 +9,11 @@ the environment (each value through ``env_text.env_value``: blank means unset).
   reads worker-vllm's old names through ``config/legacy_env`` and the baked-args file through
   ``model/baked_args``).
 
-Two readers run before vLLM is imported (this module imports it only in ``load_config``):
-``model_request(env)``, the hub repos to check and download (``model/preflight``), and
-``failure_answer_seconds(env)``, how long a worker that could not start answers jobs.
+Three readers run before vLLM is imported (this module imports it only in ``load_config``):
+``model_request(env)``, the hub repos to check and download (``model/preflight``),
+``failure_answer_seconds(env)``, how long a worker that could not start answers jobs, and
+``endpoint_kind(env)``, whether the worker takes jobs from RunPod's queue or serves HTTP on a
+load-balancing endpoint (which must answer ``/ping`` from the start).
 
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
@@ -38,13 +40,13 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from worker.env_text import env_value
 from worker.model import baked_args
@@ -58,8 +60,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerConfig", "WorkerSettings", "config_file", "failure_answer_seconds", "load_config",
-           "load_settings", "model_request"]
+__all__ = ["EndpointKind", "WorkerConfig", "WorkerSettings", "config_file", "endpoint_kind",
+           "failure_answer_seconds", "load_config", "load_settings", "model_request"]
 
 
 FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
@@ -110,6 +112,22 @@ class WorkerSettings(BaseModel):
         DEFAULT_FAILURE_ANSWER_SECONDS, ge=0, allow_inf_nan=False,
         validation_alias=_env(FAILURE_ANSWER_ENV))
 
+    # The kind of endpoint (see ``endpoint_kind``); on a load-balancing one, the ports RunPod gives.
+    endpoint_type: Literal["queue", "load_balancer"] | None = Field(
+        None, validation_alias=_env("ENDPOINT_TYPE"))
+    port: int = Field(80, ge=1, le=65535, validation_alias=_env("PORT"))
+    port_health: int | None = Field(None, ge=1, le=65535, validation_alias=_env("PORT_HEALTH"))
+
+    @field_validator("endpoint_type", mode="before")
+    @classmethod
+    def _endpoint_spelling(cls, value: object) -> object:
+        """``load_balancer``, ``load-balancer``, ``loadbalancer`` or ``lb``; any case."""
+        if isinstance(value, str):
+            squeezed = value.strip().lower().replace("-", "").replace("_", "")
+            return {"lb": "load_balancer", "loadbalancer": "load_balancer", "loadbalancing": "load_balancer",
+                    "queue": "queue", "queuebased": "queue"}.get(squeezed, value)
+        return value
+
     @model_validator(mode="after")
     def _floor_below_cap(self) -> WorkerSettings:
         if self.max_concurrency is not None and self.min_concurrency > self.max_concurrency:
@@ -125,9 +143,12 @@ class WorkerSettings(BaseModel):
 
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
     """WorkerSettings from ``env`` (default ``os.environ``); empty values mean "not set"."""
-    env = os.environ if env is None else env
-    given = {name: value for name in WorkerSettings.env_names()
-             if (value := env_value(name, env)) is not None}
+    return _validated(os.environ if env is None else env, WorkerSettings.env_names())
+
+
+def _validated(env: Mapping[str, str], names: Iterable[str]) -> WorkerSettings:
+    """WorkerSettings from the variables ``names`` (the others at their defaults)."""
+    given = {name: value for name in names if (value := env_value(name, env)) is not None}
     try:
         return WorkerSettings.model_validate(given)
     except ValidationError as exc:
@@ -252,6 +273,30 @@ def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
             {} if value is None else {FAILURE_ANSWER_ENV: value}).startup_failure_answer_seconds
     except ValidationError:
         return DEFAULT_FAILURE_ANSWER_SECONDS
+
+
+@dataclass(frozen=True)
+class EndpointKind:
+    """How requests reach the worker: RunPod's job queue, or HTTP straight from RunPod's balancer."""
+    load_balancer: bool
+    port: int = 80
+    health_port: int = 80
+    reason: str = ""  # why this kind, for the start-up log
+
+
+def endpoint_kind(env: Mapping[str, str] | None = None) -> EndpointKind:
+    """ENDPOINT_TYPE, else a guess: RunPod names no endpoint's kind, but sets PORT_HEALTH (80 unless
+    the user sets it) on a load-balancing endpoint's workers, and the job-take URL
+    (RUNPOD_WEBHOOK_GET_JOB) on a queue-based one's. Raises ConfigError for a bad value."""
+    env = os.environ if env is None else env
+    settings = _validated(env, ("ENDPOINT_TYPE", "PORT", "PORT_HEALTH"))
+    if settings.endpoint_type is not None:
+        load_balancer, reason = settings.endpoint_type == "load_balancer", f"ENDPOINT_TYPE={settings.endpoint_type}"
+    elif settings.port_health is not None and env_value("RUNPOD_WEBHOOK_GET_JOB", env) is None:
+        load_balancer, reason = True, "PORT_HEALTH is set and RUNPOD_WEBHOOK_GET_JOB is not (set ENDPOINT_TYPE to be sure)"
+    else:
+        load_balancer, reason = False, "ENDPOINT_TYPE is not set (the default)"
+    return EndpointKind(load_balancer, settings.port, settings.port_health or settings.port, reason)
 
 
 def config_file(env: Mapping[str, str]) -> Path:

@@ -7,7 +7,8 @@ denied for a stated reason. For each served route it keeps the facts the worker 
 - its path (a template such as ``/v1/responses/{response_id}``) and methods;
 - its error dialect (Anthropic's on ``/v1/messages...``, else OpenAI's);
 - how many events its stream sends before any output (see ``preamble``);
-- whether it takes a form upload (audio), which a job carries as JSON (see ``forms``).
+- whether it takes a form upload (audio), which a job carries as JSON (see ``forms``);
+- its errors in its dialect (see ``error_item``).
 
 RunPod relays only ``.../openai/v1/<route>``: a route vLLM serves outside ``/v1/``
 (``/tokenize``, ``/pooling``, ``/v2/rerank``, ...) is also reachable as ``/v1`` + its path
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import params
@@ -27,7 +29,7 @@ from fastapi.routing import APIRoute
 from starlette.routing import compile_path
 
 from worker.wire.dialects import is_anthropic_route
-from worker.wire.errors import RequestError
+from worker.wire.errors import ErrorPayload, RequestError, error_response
 
 __all__ = ["DENIED", "REVIEWED", "WORKER_LOCAL", "Route", "RouteTable", "unclassified_routes"]
 
@@ -108,6 +110,27 @@ class Route:
             n = body.get("n") if isinstance(body, dict) else None
             return n if isinstance(n, int) and n > 0 else 1
         return _PREAMBLE_EVENTS.get(self.path, 0)
+
+    def error_item(self, status: int, content: Any) -> Any:
+        """vLLM's error answer (``content``, its parsed JSON) in this route's dialect.
+
+        Anthropic routes always answer Anthropic's error object: vLLM itself does so for serving
+        errors but answers request-validation errors in OpenAI's shape. A 404 of a route that
+        depends on one worker's memory says so.
+        """
+        error = content.get("error") if isinstance(content, dict) else None
+        if isinstance(error, str):  # e.g. vLLM's {"error": "Unauthorized"}
+            error = {"message": error}
+        message = (error.get("message") if isinstance(error, dict) else None) or str(
+            content.get("detail") if isinstance(content, dict) else content)
+        if status == HTTPStatus.NOT_FOUND and (note := WORKER_LOCAL.get(self.path)):
+            message = f"{message} ({note})"
+            if isinstance(error, dict):
+                error = {**error, "message": message}
+                content = {**content, "error": error}
+        if isinstance(error, dict) and "type" in error and not self.anthropic:
+            return ErrorPayload(content)  # vLLM's own error body, as it is
+        return error_response(status, message, anthropic=self.anthropic)
 
     def method_for(self, body: Any) -> str:
         """The method a job means when it names none: the route's only one; on a route with several,

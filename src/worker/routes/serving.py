@@ -33,7 +33,7 @@ from worker.jobs.batching import Batches, BatchSize, job_batch_size
 from worker.jobs.job_input import JobInput
 from worker.routes.asgi_client import Response, request
 from worker.routes.forms import form_body
-from worker.routes.route_table import DENIED, WORKER_LOCAL, Route, RouteTable
+from worker.routes.route_table import DENIED, Route, RouteTable
 from worker.vllm_adapter import build_openai_app
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
@@ -62,28 +62,7 @@ def _answer_item(response: Response, body: bytes, route: Route) -> Any:
         content = json.loads(body) if body else {}
     except ValueError:
         content = {"detail": body.decode(errors="replace")}
-    return _error_item(response.status, content, route)
-
-
-def _error_item(status: int, content: Any, route: Route) -> Any:
-    """vLLM's error answer in the route's dialect.
-
-    Anthropic routes always answer Anthropic's error object: vLLM itself does so for serving
-    errors but answers request-validation errors in OpenAI's shape.
-    """
-    error = content.get("error") if isinstance(content, dict) else None
-    if isinstance(error, str):  # e.g. vLLM's {"error": "Unauthorized"}
-        error = {"message": error}
-    message = (error.get("message") if isinstance(error, dict) else None) or str(
-        content.get("detail") if isinstance(content, dict) else content)
-    if status == HTTPStatus.NOT_FOUND and (note := WORKER_LOCAL.get(route.path)):
-        message = f"{message} ({note})"
-        if isinstance(error, dict):
-            error = {**error, "message": message}
-            content = {**content, "error": error}
-    if isinstance(error, dict) and "type" in error and not route.anthropic:
-        return ErrorPayload(content)  # vLLM's own error body, as it is
-    return error_response(status, message, anthropic=route.anthropic)
+    return route.error_item(response.status, content)
 
 
 async def _event_batches(response: Response, size: BatchSize,

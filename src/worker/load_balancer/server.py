@@ -1,0 +1,116 @@
+"""The sockets of a worker on a load-balancing endpoint and the servers on them, for its whole life.
+
+RunPod's balancer asks ``/ping`` from the start, so ``WorkerServer`` binds PORT (and PORT_HEALTH
+when it differs) before anything else happens and serves ``WorkerApp`` at once, on a small event
+loop of its own: 204, starting. Once the engine is up, ``serve`` moves the app's server to the
+engine's loop, where vLLM's app and AsyncLLM run: as in `vllm serve`, a request and its engine share
+one loop, with no thread hop per event. The listening sockets stay open through the move (each
+server is given duplicates of them): a connection that arrives meanwhile waits in the kernel's
+backlog, none is refused. A separate health port stays on the small loop.
+
+SIGTERM (RunPod stopping the worker) drains: ``/ping`` answers 503, new requests are refused, and
+those in flight get SHUTDOWN_GRACE_PERIOD to finish (then they end with a 503 error) before the
+servers stop and ``serve`` returns. A failed start answers every request with the cause instead
+(``answer_failure``), as a queue worker answers jobs, until STARTUP_FAILURE_ANSWER_SECONDS pass.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import signal
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from worker.config.settings import EndpointKind
+from worker.engine.background_loop import BackgroundLoop
+from worker.load_balancer.app import Serving, WorkerApp
+from worker.wire.errors import StartupError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["WorkerServer"]
+
+_BACKLOG = 2048  # vLLM's uvicorn default: connections waiting to be accepted
+_STOP_SECONDS = 5.0  # for a server to close its connections once the requests have drained
+
+
+def _bind(port: int) -> socket.socket:
+    return socket.create_server(("0.0.0.0", port), backlog=_BACKLOG)  # noqa: S104 - RunPod connects from outside
+
+
+class _Running:
+    """A uvicorn server serving on a loop until stopped."""
+
+    def __init__(self, app: WorkerApp, loop: BackgroundLoop, sockets: list[socket.socket]) -> None:
+        # No access log: a line per request (and per ping) is not an operator's event.
+        config = uvicorn.Config(app, lifespan="off", ws="none", log_config=None, access_log=False,
+                                backlog=_BACKLOG, timeout_graceful_shutdown=_STOP_SECONDS)
+        self.server = uvicorn.Server(config)  # in a thread that is not the main one: no signal handlers
+        self.done: concurrent.futures.Future = loop.submit(self.server.serve(sockets=[s.dup() for s in sockets]))
+        while not self.server.started:
+            if self.done.done():
+                self.done.result()  # raises why it could not start
+                raise RuntimeError("the HTTP server stopped as it started")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.done.result(timeout=_STOP_SECONDS * 2)
+
+
+class WorkerServer:
+    """Binds the ports at construction and answers ``/ping`` from then on."""
+
+    def __init__(self, kind: EndpointKind) -> None:
+        self.kind = kind
+        self.app = WorkerApp()
+        self._sockets = [_bind(kind.port)]
+        if kind.health_port != kind.port:
+            self._sockets.append(_bind(kind.health_port))
+        self._side = BackgroundLoop("http-ping")
+        self._early = _Running(self.app, self._side, self._sockets)
+        self._stopping = threading.Event()
+        log.info("Load-balancing endpoint: HTTP on port %d, /ping on port %d (204 until the worker serves)",
+                 kind.port, kind.health_port)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        log.info("%s: draining", signal.Signals(signum).name)
+        self._stopping.set()
+
+    def _catch_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def answer_failure(self, failure: StartupError, seconds: float) -> None:
+        """Answer every request with ``failure`` (``/ping`` 200: RunPod routes callers here to learn
+        why) for ``seconds``, or until SIGTERM; then stop serving."""
+        self.app.fail(failure)
+        self._catch_signals()
+        log.error("Answering every request with this failure for %g s (STARTUP_FAILURE_ANSWER_SECONDS), "
+                  "then exiting so that RunPod replaces the worker", seconds)
+        self._stopping.wait(seconds)
+        self._early.stop()
+
+    def serve(self, serving: Serving, engine_loop: BackgroundLoop) -> None:
+        """Serve ``serving`` on the engine's loop until SIGTERM (or SIGINT), then drain and stop."""
+        self._catch_signals()
+        self._early.stop()
+        self.app.serve(serving)
+        servers = [_Running(self.app, engine_loop, self._sockets[:1])]
+        if len(self._sockets) > 1:
+            servers.append(_Running(self.app, self._side, self._sockets[1:]))
+        while not self._stopping.wait(0.5):  # a plain wait() would hold off the signal handler
+            pass
+        grace = serving.settings.shutdown_grace_period
+        try:
+            engine_loop.run(self.app.drain(grace), timeout=grace + _STOP_SECONDS)
+        except concurrent.futures.TimeoutError:
+            log.error("Requests still in flight %g s after the grace period: stopping anyway", _STOP_SECONDS)
+        for server in servers:
+            server.stop()
+        log.info("Stopped serving HTTP")
