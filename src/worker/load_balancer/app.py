@@ -209,11 +209,11 @@ class WorkerApp:
     def fail(self, failure: StartupError) -> None:
         self.failure, self.phase = failure, Phase.FAILED
 
-    async def drain(self, grace_period: float) -> None:
-        """Refuse new requests and let those in flight finish, within ``grace_period`` (on the loop
-        the requests run on: their deadlines are its)."""
+    async def drain(self) -> None:
+        """Refuse new requests and let those in flight finish, within SHUTDOWN_GRACE_PERIOD (on the
+        loop the requests run on: their deadlines are its)."""
         self.phase = Phase.DRAINING
-        deadlines = self.serving.deadlines
+        deadlines, grace_period = self.serving.deadlines, self.serving.settings.shutdown_grace_period
         log.info("Draining: %d request(s) in flight get up to %g s to finish",
                  deadlines.begin_shutdown(grace_period), grace_period)
         while deadlines.running:

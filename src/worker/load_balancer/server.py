@@ -108,7 +108,7 @@ class WorkerServer:
             pass
         grace = serving.settings.shutdown_grace_period
         try:
-            engine_loop.run(self.app.drain(grace), timeout=grace + _STOP_SECONDS)
+            engine_loop.run(self.app.drain(), timeout=grace + _STOP_SECONDS)
         except concurrent.futures.TimeoutError:
             log.error("Requests still in flight %g s after the grace period: stopping anyway", _STOP_SECONDS)
         for server in servers:
