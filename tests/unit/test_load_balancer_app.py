@@ -206,3 +206,32 @@ def test_runsync_answers_as_runpods_runsync_and_stream_an_event_per_item():
     for body, fragment in ((b"{nope", "not JSON"), (b"[]", 'expected {"input"')):
         status, text = call(app, "POST", "/runsync", body)
         assert status == 400 and fragment in json.loads(json.loads(text)["error"])["message"]
+
+
+@pytest.mark.parametrize("path", ["/runsync", "/stream"])
+def test_a_caller_who_leaves_ends_the_job(path):
+    """The job's items stop being drawn, and its generator is closed (which aborts its vLLM request)."""
+    app, closed = serving_app()[0], asyncio.Event()
+
+    async def endless(job):
+        try:
+            while True:
+                yield {"tokens": ["x"]}
+                await asyncio.sleep(0.01)
+        finally:
+            closed.set()
+
+    app.serving = dataclasses.replace(app.serving, run_job=endless)
+
+    async def call_then_wait():
+        async with request(app, "POST", path, {"input": {"prompt": "p"}}) as response:  # /runsync: waits here
+            await anext(response.body)
+            await asyncio.sleep(60)
+
+    async def go():
+        calling = asyncio.create_task(call_then_wait())
+        await asyncio.sleep(0.2)
+        calling.cancel()  # the caller leaves, mid-stream or while the job runs
+        await asyncio.wait_for(closed.wait(), 10)
+
+    asyncio.run(go())

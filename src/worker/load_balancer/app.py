@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MAX_BODY_BYTES", "Phase", "Serving", "WorkerApp"]
 
-MAX_BODY_BYTES = 30 * 10**6  # what RunPod's balancer passes, per request and per response
+MAX_BODY_BYTES = 30 * 2**20  # what RunPod's balancer passes, per request and per response (30 MB)
 JOB_ROUTES = ("/runsync", "/stream")
 # A queue endpoint's own routes, which a caller moving over may try.
 _QUEUE_ROUTES = ("/run", "/status", "/cancel", "/purge-queue", "/health", "/requests")
