@@ -1,4 +1,4 @@
-"""A local RunPod serverless endpoint: ``python -m endpoint [--workers N] [--port 8000] [--handler PATH]``.
+"""A local RunPod serverless endpoint: ``python -m endpoint [--load-balancer] [--workers N] [--port 8000]``.
 
 Starts the endpoint server on 127.0.0.1, prints the URLs, starts N worker processes (``python
 src/handler.py``, the real ``runpod.serverless.start`` loop, pointed at the server with RunPod's
@@ -10,6 +10,10 @@ it stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat pr
 The workers inherit this environment: ``MODEL_NAME`` and every other worker setting.
 With ``--image IMAGE`` each worker is that image's own command in a container instead (see
 ``container.py``), which gets only RunPod's variables and those named with ``--env``.
+
+With ``--load-balancer`` it is a load-balancing endpoint instead (``balancer.py``): no queue, each
+worker serves HTTP on ports of its own (``ENDPOINT_TYPE=load_balancer``, ``PORT``, ``PORT_HEALTH``)
+and the balancer on ``--port`` sends every request to a ready one. The same supervisor runs them.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +38,7 @@ from aiohttp import web
 from worker.env_text import env_value
 
 from .app import EndpointConfig, create_app
+from .balancer import BalancerConfig, Pool, create_balancer_app
 from .container import ContainerLauncher
 from .jobs import JobStore
 
@@ -47,18 +52,37 @@ BACKOFF_MAX_SECONDS = 30.0
 BACKOFF_RESET_SECONDS = 60.0
 
 
-def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, str]:
-    """The variables with which RunPod points a worker at its endpoint."""
-    job = f"{base_url}/job-take/$ID?gpu=local"
+def worker_ids(count: int) -> list[str]:
+    return [f"local-worker-{i}" for i in range(count)]
+
+
+def queue_env(base_url: str) -> dict[str, str]:
+    """How a queue-based endpoint's worker gets its jobs: RunPod's job protocol at ``base_url``."""
     return {
-        **os.environ,
-        "RUNPOD_POD_ID": worker_id,
-        "RUNPOD_WEBHOOK_GET_JOB": job,
+        "RUNPOD_WEBHOOK_GET_JOB": f"{base_url}/job-take/$ID?gpu=local",
         "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base_url}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
         "RUNPOD_WEBHOOK_POST_STREAM": f"{base_url}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
         "RUNPOD_WEBHOOK_PING": f"{base_url}/ping/$RUNPOD_POD_ID?gpu=local",
-        "RUNPOD_AI_API_KEY": api_key or "local",
         "RUNPOD_PING_INTERVAL": "5000",
+    }
+
+
+def balancer_env(port: int, health_port: int) -> dict[str, str]:
+    """How a load-balancing endpoint's worker gets its requests: on its own HTTP server."""
+    return {"ENDPOINT_TYPE": "load_balancer", "PORT": str(port), "PORT_HEALTH": str(health_port)}
+
+
+def worker_env(base_url: str, worker_id: str, api_key: str | None,
+               ports: tuple[int, int] | None = None) -> dict[str, str]:
+    """The variables with which RunPod starts a worker: those of its endpoint's queue at ``base_url``
+    or, for a load-balancing worker, the ``ports`` (``PORT``, ``PORT_HEALTH``) it serves on.
+    The job protocol's variables come from here only: a load-balancing worker has none."""
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_WEBHOOK_")}
+    return {
+        **inherited,
+        "RUNPOD_POD_ID": worker_id,
+        **(queue_env(base_url) if ports is None else balancer_env(*ports)),
+        "RUNPOD_AI_API_KEY": api_key or "local",
         "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
         "RUNPOD_SKIP_GPU_CHECK": "true",
         "PYTHONUNBUFFERED": "1",  # worker logs appear as they happen
@@ -67,11 +91,11 @@ def worker_env(base_url: str, worker_id: str, api_key: str | None) -> dict[str, 
     }
 
 
-def snippet(base: str, api_key: str | None) -> str:
+def snippet(openai_base: str, api_key: str | None) -> str:
     # The key itself is never printed: logs must not carry secrets.
     key = 'os.environ["ENDPOINT_API_KEY"]' if api_key else '"local"'
     return (('import os\n' if api_key else '') + 'from openai import OpenAI\n'
-            f'client = OpenAI(base_url="{base}/openai/v1", api_key={key})\n'
+            f'client = OpenAI(base_url="{openai_base}", api_key={key})\n'
             f'model = client.models.list().data[0].id\n'
             f'answer = client.chat.completions.create(model=model, messages=[\n'
             f'    {{"role": "user", "content": "What is the capital of France?"}}])\n'
@@ -113,14 +137,21 @@ class Life:
 
 
 class Supervisor:
-    """Runs the workers and replaces each one that exits."""
+    """Runs the workers and replaces each one that exits.
 
-    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore,
+    ``store`` is told when a worker's process starts (``revive``) and exits (``forget``), and says
+    whether it has called in: the job store, whose workers take jobs from ``base_url``, or, for
+    load-balancing workers (``ports``: each one's ``PORT`` and ``PORT_HEALTH``), the balancer's
+    pool, for which a worker calls in when its ``/ping`` first answers 200.
+    """
+
+    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore | Pool,
                  command: Sequence[str] = (sys.executable, str(HANDLER)),
-                 container: ContainerLauncher | None = None) -> None:
-        self.base_url, self.api_key, self.store = base_url, api_key, store
+                 container: ContainerLauncher | None = None,
+                 ports: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self.base_url, self.api_key, self.store, self.ports = base_url, api_key, store, ports
         self.command, self.container = tuple(command), container
-        self.workers = [f"local-worker-{i}" for i in range(count)]
+        self.workers = worker_ids(count)
         self.lives: dict[str, Life] = {}  # worker → its latest process
         # Processes start in threads (buildah takes a while); stop() takes the lock so that none
         # starts after it has looked, and reaps each process once.
@@ -163,7 +194,7 @@ class Supervisor:
 
     def _launch(self, worker: str) -> Life | None:
         """Start a process for ``worker`` (None: the endpoint is stopping)."""
-        env = worker_env(self.base_url, worker, self.api_key)
+        env = worker_env(self.base_url, worker, self.api_key, self.ports[worker] if self.ports else None)
         with self._lock:
             if self._stopping:
                 return None
@@ -184,7 +215,7 @@ class Supervisor:
         return life
 
     async def wait_ready(self) -> None:
-        """Until every worker has asked for work once (restarts on the way included)."""
+        """Until every worker has called in once (restarts on the way included)."""
         waiting = set(self.workers)
         while waiting := {w for w in waiting if not self.store.called_in(w)}:
             await asyncio.sleep(POLL_SECONDS)
@@ -221,23 +252,50 @@ async def announce_ready(supervisor: Supervisor, started: float) -> None:
           flush=True)
 
 
-async def serve(args: argparse.Namespace) -> None:
+def queue_endpoint(args: argparse.Namespace,
+                   container: ContainerLauncher | None) -> tuple[web.Application, Supervisor, str]:
+    """The queue-based endpoint's app, its workers and what it prints first."""
     store = JobStore(execution_timeout=args.execution_timeout or None)
     config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key,
                             job_take_delay=args.job_take_delay)
-    runner = web.AppRunner(create_app(config, store), handler_cancellation=True)  # client gone: stop its job
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
     base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"
-    container = ContainerLauncher(args.image, args.env, args.volume) if args.image else None
     supervisor = Supervisor(args.workers, base, args.api_key, store, (sys.executable, str(args.handler)),
                             container)
+    banner = (f"endpoint: starting {args.workers} worker(s)\n"
+              f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
+              f"  OpenAI API: {base}/openai/v1\n\n{snippet(base + '/openai/v1', args.api_key)}\n")
+    return create_app(config, store), supervisor, banner
+
+
+def balancer_endpoint(args: argparse.Namespace,
+                      container: ContainerLauncher | None) -> tuple[web.Application, Supervisor, str]:
+    """The load-balancing endpoint's app, its workers and what it prints first."""
+    pool = Pool.on_free_ports(worker_ids(args.workers), args.separate_health_port)
+    config = BalancerConfig(api_key=args.api_key, worker_wait_seconds=args.worker_wait,
+                            request_timeout_seconds=args.request_timeout)
+    base = f"http://{args.host}:{args.port}"
+    supervisor = Supervisor(args.workers, base, args.api_key, pool, (sys.executable, str(args.handler)),
+                            container, pool.ports())
+    banner = (f"endpoint: starting {args.workers} worker(s) (load balancer)\n"
+              f"  HTTP: {base}/<path> (any route of the worker: /v1/chat/completions, /v1/messages, "
+              f"/runsync, /ping)\n\n{snippet(base + '/v1', args.api_key)}\n")
+    return create_balancer_app(pool, config), supervisor, banner
+
+
+async def serve(args: argparse.Namespace) -> None:
+    # A container gets RunPod's variables, those named with --env and, for a load-balancing worker,
+    # the names of balancer_env.
+    passed = [*args.env, *balancer_env(0, 0).keys()] if args.load_balancer else args.env
+    container = ContainerLauncher(args.image, passed, args.volume) if args.image else None
+    endpoint = balancer_endpoint if args.load_balancer else queue_endpoint
+    app, supervisor, banner = endpoint(args, container)
+    runner = web.AppRunner(app, handler_cancellation=True)  # client gone: stop its job or request
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    print(f"endpoint: starting {args.workers} worker(s)\n"
-          f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
-          f"  OpenAI API: {base}/openai/v1\n\n{snippet(base, args.api_key)}\n", flush=True)
+    print(banner, flush=True)
     stopped = asyncio.create_task(stop.wait())
     workers = asyncio.create_task(supervisor.run())
     ready = asyncio.create_task(announce_ready(supervisor, time.monotonic()))
@@ -258,7 +316,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m endpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--workers", type=int, default=1, help="worker processes on one queue")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes (on one queue, or behind the balancer)")
     parser.add_argument("--endpoint-id", default="local")
     parser.add_argument("--handler", default=HANDLER, type=lambda path: Path(path).resolve(),
                         help="the worker script each worker process runs (default: the vLLM worker)")
@@ -274,6 +333,18 @@ def main() -> None:
     parser.add_argument("--job-take-delay", type=float, default=0.0, metavar="SECONDS",
                         help="answer each job-take request that carries jobs this long after taking them, "
                              "as RunPod's queue is a network round trip away (default: 0)")
+    parser.add_argument("--load-balancer", action="store_true",
+                        help="a load-balancing endpoint: no queue, each request goes to a ready worker's "
+                             "own HTTP server (ENDPOINT_TYPE=load_balancer)")
+    parser.add_argument("--separate-health-port", action="store_true",
+                        help="with --load-balancer: each worker answers /ping on a port of its own "
+                             "(PORT_HEALTH; default: on PORT)")
+    parser.add_argument("--worker-wait", type=float, default=120.0, metavar="SECONDS",
+                        help="with --load-balancer: answer 400 when no worker is ready this long after "
+                             "the request came (default: 120, RunPod's)")
+    parser.add_argument("--request-timeout", type=float, default=330.0, metavar="SECONDS",
+                        help="with --load-balancer: a request longer than this gets a 524, or its answer "
+                             "is cut off (default: 330, RunPod's)")
     parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     asyncio.run(serve(parser.parse_args()))

@@ -29,7 +29,7 @@ from worker.wire.sse import frame
 
 from .jobs import Job, JobStore, Status
 
-__all__ = ["EndpointConfig", "create_app"]
+__all__ = ["EndpointConfig", "api_key_check", "create_app", "json_error"]
 
 # How long an idle job-take or job-stop request is held open (a worker's JobLoop re-polls at once).
 LONG_POLL_SECONDS = 3.0
@@ -49,8 +49,23 @@ class EndpointConfig:
     job_take_delay: float = 0.0
 
 
-def _error(status: int, message: str) -> web.Response:
+def json_error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def api_key_check(key: str | None):
+    """A middleware that answers 401 to a request without ``Authorization: Bearer KEY`` or
+    ``x-api-key: KEY`` (Anthropic's SDK sends its key there); none with no key."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        if key is not None:
+            given = request.headers.get("Authorization", request.headers.get("x-api-key", ""))
+            if given.removeprefix("Bearer ").strip() != key:
+                return json_error(401, "missing or wrong API key")
+        return await handler(request)
+
+    return authenticate
 
 
 def _openai_error(status: int, message: str, anthropic: bool) -> web.Response:
@@ -109,15 +124,6 @@ class Endpoint:
         self.config, self.store = config, store
 
     # --- shared --------------------------------------------------------------------------------
-
-    @web.middleware
-    async def authenticate(self, request: web.Request, handler):
-        key = self.config.api_key
-        if key is not None:
-            given = request.headers.get("Authorization", request.headers.get("x-api-key", ""))
-            if given.removeprefix("Bearer ").strip() != key:
-                return _error(401, "missing or wrong API key")
-        return await handler(request)
 
     def _job(self, request: web.Request) -> Job:
         job = self.store.get(request.match_info["job_id"])
@@ -276,7 +282,7 @@ class Endpoint:
 def create_app(config: EndpointConfig | None = None, store: JobStore | None = None) -> web.Application:
     config = config or EndpointConfig()
     endpoint = Endpoint(config, store or JobStore())
-    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[endpoint.authenticate])
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=[api_key_check(config.api_key)])
     base = f"/v2/{config.endpoint_id}"
     app.add_routes([
         web.post(f"{base}/run", endpoint.run),

@@ -22,9 +22,11 @@ HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logge
 class LocalEndpoint:
     def __init__(self, env: dict[str, str], workers: int, log_path, handler: str | None = None,
                  ready_timeout: float | None = 400, args: tuple[str, ...] = ()) -> None:
-        """Starts the endpoint and waits up to ``ready_timeout`` s for its workers (None: not at all)."""
+        """Starts the endpoint and waits up to ``ready_timeout`` s for its workers (None: not at all).
+        With ``--load-balancer`` in ``args``, a load-balancing endpoint: requests keep their paths."""
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}/v2/local"
+        self.load_balancer = "--load-balancer" in args
+        self.base = f"http://127.0.0.1:{self.port}" + ("" if self.load_balancer else "/v2/local")
         self.log_path = log_path
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -44,7 +46,7 @@ class LocalEndpoint:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                self.http.get("/health")
+                self.http.get("/ping" if self.load_balancer else "/health")  # the balancer's own /ping
                 return
             except httpx.TransportError:
                 time.sleep(0.2)
@@ -57,7 +59,8 @@ class LocalEndpoint:
             if " exited with status " in self.log():  # the endpoint restarts it: fail now instead
                 break
             if "worker(s) ready" in self.log():
-                assert self.http.get("/health").json()["workers"]["ready"] == workers
+                if not self.load_balancer:  # there, every path is a worker's
+                    assert self.http.get("/health").json()["workers"]["ready"] == workers
                 return time.monotonic() - self.started
             time.sleep(0.5)
         self.stop()
@@ -65,11 +68,15 @@ class LocalEndpoint:
 
     def openai_client(self) -> openai.OpenAI:
         """The official openai client on this endpoint's OpenAI face."""
-        return openai.OpenAI(base_url=self.base + "/openai/v1", api_key=API_KEY, max_retries=0)
+        return openai.OpenAI(base_url=self.openai_base, api_key=API_KEY, max_retries=0)
+
+    @property
+    def openai_base(self) -> str:
+        return self.base + ("/v1" if self.load_balancer else "/openai/v1")
 
     def model(self) -> str:
         """The served model's name, as /v1/models lists it first."""
-        return self.http.get("/openai/v1/models").json()["data"][0]["id"]
+        return self.http.get(self.openai_base.removeprefix(self.base) + "/models").json()["data"][0]["id"]
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -80,16 +87,21 @@ class LocalEndpoint:
 
 
 class HealthSampler:
-    """The endpoint's ``/health`` answer every 20 ms, in a thread, until ``stop()``."""
+    """The endpoint's ``/health`` answer every 20 ms, in a thread, until ``stop()``; with ``path``
+    another one's, as ``read`` takes it from the response."""
 
-    def __init__(self, endpoint: LocalEndpoint) -> None:
+    def __init__(self, endpoint: LocalEndpoint, path: str = "/health", read=httpx.Response.json) -> None:
         self.endpoint, self.samples, self._stop = endpoint, [], threading.Event()
+        self.path, self.read = path, read
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.02):
-            self.samples.append(self.endpoint.http.get("/health").json())
+            try:
+                self.samples.append(self.read(self.endpoint.http.get(self.path, timeout=5)))
+            except httpx.TransportError as exc:  # not listening yet
+                self.samples.append(type(exc).__name__)
 
     def stop(self) -> list[dict]:
         self._stop.set()

@@ -270,3 +270,25 @@ def test_the_image_served_without_the_hub_and_cached_on_the_volume(endpoint, hub
     assert f"Compile cache: kept on the network volume, in /runpod-volume/{VOLUME_CACHE_DIR}" in log
     assert (volume / VOLUME_CACHE_DIR).is_dir()
     assert "Traceback" not in log and TOKEN not in log
+
+
+@pytest.fixture(scope="module")
+def balanced(endpoint, baked, volume, tmp_path_factory) -> Iterator[LocalEndpoint]:
+    """The same image and settings behind a load-balancing endpoint (after the queue's tests, which
+    stopped the hub): the worker serves HTTP in its container."""
+    hub_env = {e["key"]: e["value"] for e in json.loads((REPO / ".runpod/tests.json").read_text())["config"]["env"]}
+    passed = [f"--env={k}={v}" for k, v in (CONTAINER_ENV | hub_env).items()]
+    balanced = LocalEndpoint({}, 1, tmp_path_factory.mktemp("image-balancer") / "endpoint.log",
+                             args=("--load-balancer", "--image", baked.tag, f"--volume={volume}:/runpod-volume",
+                                   *passed))
+    yield balanced
+    balanced.stop()
+
+
+def test_the_same_image_serves_a_load_balancing_endpoint(balanced):
+    raw, chat = readme_requests()
+    answer = balanced.http.post("/runsync", json=raw).json()
+    assert answer["output"][0]["choices"][0]["tokens"] == ["The capital of France is Paris."], answer
+    stream = balanced.openai_client().chat.completions.create(**chat, max_tokens=20, stream=True)
+    assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert balanced.http.get("/ping").status_code == 200
