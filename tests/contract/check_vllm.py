@@ -90,6 +90,7 @@ def test_the_engine_calls_the_worker_makes_still_bind():
     inspect.signature(llm.encode).bind(object(), "prompt", "params", "request-id")
     for name in ("get_tokenizer", "get_supported_tasks", "shutdown"):
         inspect.signature(getattr(llm, name)).bind(object())
+    assert isinstance(inspect.getattr_static(llm, "errored"), property)  # adapter.is_dead reads it
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"index", "text", "token_ids", "logprobs"} <= fields
     assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
