@@ -9,9 +9,10 @@ adaptive concurrency beside ``vllm serve`` and a fixed 30, two workers under a b
 the controller's cost), ``image`` (17-19: the CPU image built with buildah, cold and cached, its
 layers, its start-up beside the checkout's), ``kv`` (20: under KV pressure beside ``vllm serve``, with 0
 and 100 ms of job-take delay), ``lora`` (21: many LoRA adapters by name beside ``vllm serve``, their
-first use). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts'
-sections) and their charts; ``--quick`` (tiny model, short streams, two repetitions) writes them to a
-temporary folder instead.
+first use), ``lb`` (22: the load-balancing endpoint beside ``vllm serve``, queue mode and its worker
+alone). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts' sections)
+and their charts; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary
+folder instead.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench import (adaptive_concurrency, cold_start, common, handler_overhead, image_build, job_start,
-                   kv_pressure, lora_adapters, openai_path, report, stub_cost)
+                   kv_pressure, load_balancer, lora_adapters, openai_path, report, stub_cost)
 from bench.common import PARTS
 
 
@@ -85,6 +86,10 @@ def main() -> None:
         _progress(f"item 21, {lora_adapters.ADAPTERS} LoRA adapters by name beside vllm serve on "
                   f"{plan.latency_model}, their first use")
         lora_adapters.run(plan, results)
+    if "lb" in parts:
+        _progress(f"item 22, the load balancer beside vllm serve, queue mode and its worker alone (vllm bench) "
+                  f"on {plan.latency_model}")
+        load_balancer.run(plan, results)
     if "start" in parts:
         _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
         cold_start.run(plan, results)

@@ -34,7 +34,8 @@ PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
                          (13, 14, 15, 16)),
          "image": ("The CPU image: build time, size per layer, start-up beside the checkout", (17, 18, 19)),
          "kv": ("Under KV pressure: beside vllm serve at 64 and 128, with 0 and 100 ms job take", (20,)),
-         "lora": ("Many LoRA adapters: beside vllm serve, beside the base model, first use", (21,))}
+         "lora": ("Many LoRA adapters: beside vllm serve, beside the base model, first use", (21,)),
+         "lb": ("The load balancer: beside vllm serve, queue mode and its worker alone (vllm bench)", (22,))}
 # The paths whose loads (tokens/s, TTFT) are charted, by the part that measures them.
 RAW_ENGINE, HANDLER, WORKER, VLLM_SERVE = "raw engine", "handler()", "worker", "vllm serve"
 LOAD_PATHS = {"engine": (RAW_ENGINE, HANDLER), "openai": (WORKER, VLLM_SERVE)}
@@ -64,6 +65,7 @@ class Plan:
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
     adaptive_concurrency: tuple[int, ...] = (16, 64, 128)  # item 13
+    lb_reps: int = 3  # item 22: repetitions of its four servers' loads in turn
     # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
     # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
     dtype: str | None = None
@@ -76,7 +78,7 @@ class Plan:
 QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), adaptive_concurrency=(4, 16),
              openai_goal_concurrency=(1, 4), followups=5,
              first_max_tokens=8, stub_jobs=32, models=("tiny-llama",), tiny_load_reps=2,
-             latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4)
+             latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4, lb_reps=2)
 
 
 def model_env(model: str, plan: Plan) -> dict[str, str]:
@@ -191,6 +193,8 @@ class Results:
     decomposition: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
     # Item 13: (model, path, concurrency) → one vllm bench result per repetition (adaptive_concurrency.py)
     concurrency_loads: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
+    # Item 22: (model, path, concurrency) → one vllm bench result per repetition (load_balancer.py)
+    balancer_loads: dict[tuple[str, str, int], list[Load]] = field(default_factory=dict)
     # Items 14-15: chart title → worker → (seconds, held, target, running, waiting, KV usage, preempted)
     series: dict[str, dict[str, list[tuple]]] = field(default_factory=dict)
     # What could not be measured, and why (item → reason; the reason's key starts with the item's number)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -88,12 +89,14 @@ def vllm_bench_result(server: Server, model_path: str, n: int, prompts: int, out
              "--seed": 0, "--ready-check-timeout-sec": 0, "--result-filename": "result.json",
              "--percentile-metrics": "ttft,tpot,itl,e2el", "--metric-percentiles": percentiles}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-bench-") as out:
-        subprocess.run([sys.executable, "-c", VLLM_BENCH, *(str(x) for kv in flags.items() for x in kv),
-                        "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", out, *more],
-                       cwd=REPO, check=True, capture_output=True)
+        run = subprocess.run([sys.executable, "-c", VLLM_BENCH, *(str(x) for kv in flags.items() for x in kv),
+                              "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", out, *more],
+                             cwd=REPO, check=True, capture_output=True, text=True)
         result = json.loads((Path(out) / "result.json").read_text())
     if result["completed"] != prompts:
-        raise RuntimeError(f"vllm bench: {result['completed']} of {prompts} requests completed")
+        errors = [line for line in run.stdout.splitlines() if line.startswith("Error ")]  # its first 10
+        raise RuntimeError(f"vllm bench at {server.base_url}: {result['completed']} of {prompts} requests "
+                           "completed; " + "; ".join(errors[:3]))
     return result
 
 
@@ -112,18 +115,25 @@ def _record_loads(model: str, n: int, loads: dict[str, Load], results: Results) 
             worker.tokens_per_s / serve.tokens_per_s)
 
 
-def job_path(model: str, servers: dict[str, Server], plan: Plan, results: Results) -> None:
-    """Item 6 on ``servers`` (the two workers' endpoints and vllm serve), warmed up first."""
-    path = servers["vllm serve"].env["MODEL_NAME"]
+def loads_in_turn(servers: dict[str, Server], plan: Plan, reps: int) -> Iterator[tuple[int, dict[str, Load]]]:
+    """Item 6's loads on ``servers`` (all up, serving one model), warmed up first: for each repetition
+    and each of ``plan.concurrency``, every server's load, measured in turn (the others idle)."""
+    path = next(iter(servers.values())).env["MODEL_NAME"]
     top = max(plan.concurrency)
     for server in servers.values():
         vllm_bench(server, path, top, top, 8)
-    for rep in range(plan.reps):
+    for rep in range(reps):
         for n in plan.concurrency:
             prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
             runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
                     for name, server in servers.items()}
-            _record_loads(model, n, in_turn(rep, runs), results)
+            yield n, in_turn(rep, runs)
+
+
+def job_path(model: str, servers: dict[str, Server], plan: Plan, results: Results) -> None:
+    """Item 6 on ``servers`` (the two workers' endpoints and vllm serve), warmed up first."""
+    for n, loads in loads_in_turn(servers, plan, plan.reps):
+        _record_loads(model, n, loads, results)
 
 
 # --- item 7: slot occupancy and refill -----------------------------------------------------------------

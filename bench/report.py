@@ -17,6 +17,7 @@ from bench.common import LOAD_PATHS, PARTS, REPO, Figure, Plan, Results
 CHARTS = {"engine": "engine.png", "openai": "throughput.png"}  # each part's chart of its LOAD_PATHS
 LATENCY_CHART = "job_start.png"
 CONCURRENCY_CHARTS = ("concurrency.png", "concurrency_over_time.png")  # items 13, and 14-15
+BALANCER_CHART = "load_balancer.png"  # item 22
 # Medians measured earlier on this kind of machine (openai SDK client, SmolLM2-135M), for comparison.
 ANCHORS = {("raw engine", 1): 32, ("raw engine", 16): 349, ("raw engine", 64): 536,
            ("vllm serve", 1): 31, ("vllm serve", 16): 311, ("vllm serve", 64): 439}
@@ -158,17 +159,21 @@ def series_chart(series: dict[str, dict[str, list[tuple]]], path: Path) -> None:
     plt.close(fig)
 
 
+def _vllm_bench_lines(loads: dict[tuple[str, str, int], list], about: list[str], out: Path,
+                      chart_name: str) -> list[str]:
+    """vllm bench's medians per path (``loads``: items 13, 22) as a table and a chart, ``about`` them."""
+    chart(loads, tuple(dict.fromkeys(p for _, p, _ in loads)), out / chart_name)
+    return ["### vllm bench beside vllm serve: medians per path", "", *about, "", _job_path_table(loads), "",
+            f"![tokens/s and time to first token against concurrency]({chart_name})", ""]
+
+
 def _concurrency_sections(results: Results, out: Path) -> list[str]:
     """Items 13-15's table and charts."""
     if not results.concurrency_loads:
         return []
-    paths = tuple(dict.fromkeys(p for _, p, _ in results.concurrency_loads))
-    chart(results.concurrency_loads, paths, out / CONCURRENCY_CHARTS[0])
-    lines = ["### vllm bench beside vllm serve: medians per path", "",
-             "`vllm.benchmarks.serve` (random dataset, openai-chat); the worker with its default settings",
-             "(adaptive) and with worker-vllm's fixed 30.", "",
-             _job_path_table(results.concurrency_loads), "",
-             f"![tokens/s and time to first token against concurrency]({CONCURRENCY_CHARTS[0]})", ""]
+    lines = _vllm_bench_lines(results.concurrency_loads, [
+        "`vllm.benchmarks.serve` (random dataset, openai-chat); the worker with its default settings",
+        "(adaptive) and with worker-vllm's fixed 30."], out, CONCURRENCY_CHARTS[0])
     if results.series:
         series_chart(results.series, out / CONCURRENCY_CHARTS[1])
         lines += ["### Over time (items 14 and 15, first repetition)", "",
@@ -176,6 +181,17 @@ def _concurrency_sections(results: Results, out: Path) -> list[str]:
                   f"({CONCURRENCY_CHARTS[1]})",
                   ""]
     return lines
+
+
+def _balancer_sections(results: Results, out: Path) -> list[str]:
+    """Item 22's table and chart."""
+    if not results.balancer_loads:
+        return []
+    return _vllm_bench_lines(results.balancer_loads, [
+        "`vllm.benchmarks.serve` (random dataset, openai-chat), the four servers up together and measured",
+        f"in turn, {results.plan.lb_reps} repetitions: the load balancer (`python -m endpoint --load-balancer`,",
+        "one worker), its worker alone on its `PORT`, the queue endpoint (one worker) and `vllm serve`."],
+        out, BALANCER_CHART)
 
 
 def _machine() -> list[str]:
@@ -243,6 +259,7 @@ def _part_results(results: Results, part: str) -> Results:
                    decomposition=results.decomposition if part == "latency" else {},
                    concurrency_loads=results.concurrency_loads if part == "concurrency" else {},
                    series=results.series if part == "concurrency" else {},
+                   balancer_loads=results.balancer_loads if part == "lb" else {},
                    notes={key: note for key, note in results.notes.items() if _item_number(key) in items})
 
 
@@ -265,6 +282,7 @@ def _section(part: str, results: Results, out: Path, run: list[str]) -> str:
     lines = [SECTION_START.format(part), f"## {PARTS[part][0]}", "", *run,
              "", _markdown(HEADER, _rows(mine)), "", *charted, *_latency_sections(mine, out),
              *_concurrency_sections(mine, out),
+             *_balancer_sections(mine, out),
              *(["### Notes", "", *(f"- {key}: {note}" for key, note in mine.notes.items()), ""]
                if mine.notes else []),
              SECTION_END.format(part)]

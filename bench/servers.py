@@ -1,10 +1,13 @@
-"""The two HTTP servers compared on the OpenAI path, as processes this run starts and stops.
+"""The HTTP servers the benchmarks compare, as processes this run starts and stops.
 
 - ``vllm serve`` (vLLM's own launcher) with flags equal to the worker's resolved configuration;
 - the local RunPod endpoint (``python -m endpoint``) with one real worker, ``src/handler.py`` under
   the runpod SDK's loop. Its start-up is timed from the worker process's start (the kernel's record)
   to its ``Worker ready`` log line (which splits the phases) and to its first call for work. Items 7-9
   (``bench/job_start.py``) run it with another worker script and under ``bench/trace_endpoint.py``.
+- the local endpoint as a load-balancing endpoint (``python -m endpoint --load-balancer``), and a
+  load-balancing worker alone (``src/handler.py`` with ``ENDPOINT_TYPE=load_balancer``, serving HTTP on
+  its ``PORT``), for item 22 (``bench/load_balancer.py``).
 
 Each server runs in its own session, so stopping it ends every process it started (vLLM's engine
 processes, the SDK's heartbeat) and nothing else.
@@ -40,11 +43,13 @@ class Server:
     """A process started in a new session, its output in ``log_path``; ready once ``_ready()`` holds."""
 
     what = "server"
+    failed_lines: tuple[str, ...] = ()  # a line in its log that says it cannot start
 
     def __init__(self, argv: list[str], env: dict[str, str], log_path: Path) -> None:
         self.port = free_port()
         self.env, self.log_path = env, log_path
-        self.proc = subprocess.Popen([*argv, "--port", str(self.port)], cwd=REPO, env={**os.environ, **env},
+        argv, launch_env = self._on_port(argv, env)
+        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **launch_env},
                                      stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
@@ -53,12 +58,21 @@ class Server:
             self.stop()
             raise
 
+    def _on_port(self, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        """The command and environment that serve on ``self.port``: a ``--port`` flag."""
+        return [*argv, "--port", str(self.port)], env
+
     def _ready(self) -> bool:
         raise NotImplementedError
 
     def _failed(self) -> bool:
-        """Whether it cannot start any more (it has exited)."""
-        return self.proc.poll() is not None
+        """Whether it cannot start any more: it has exited, or its log says it cannot start."""
+        return self.proc.poll() is not None or any(text in self.log() for text in self.failed_lines)
+
+    def _answers(self, path: str) -> bool:
+        """Whether ``GET path`` on its port answers 200."""
+        response = self.get(f"http://127.0.0.1:{self.port}{path}")
+        return response is not None and response.status_code == 200
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -110,8 +124,7 @@ class VllmServe(Server):
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def _ready(self) -> bool:
-        response = self.get(f"http://127.0.0.1:{self.port}/health")
-        if response is None or response.status_code != 200:
+        if not self._answers("/health"):
             return False
         self.started = _process_start(self.proc.pid)
         self.start_up = time.time() - self.started  # process start → /health
@@ -130,6 +143,9 @@ class StartUp:
 
 class Endpoint(Server):
     what = "the local endpoint"
+    # A worker that could not start: the endpoint restarts it (or it answers jobs with the failure,
+    # and calls for work as if ready).
+    failed_lines = FAILED_START_LINES
 
     def __init__(self, env: dict[str, str], log_path: Path, handler: Path | None = None,
                  traced: bool = False, workers: int = 1, job_take_delay: float = 0.0) -> None:
@@ -142,11 +158,6 @@ class Endpoint(Server):
                           "--job-take-delay", str(job_take_delay),
                           *(["--handler", str(handler)] if handler else [])], env, log_path)
         self.base_url = f"http://127.0.0.1:{self.port}/v2/local/openai/v1"
-
-    def _failed(self) -> bool:
-        """Also when a worker could not start: the endpoint restarts it (or it answers jobs with the
-        failure, and calls for work as if ready)."""
-        return super()._failed() or any(text in self.log() for text in FAILED_START_LINES)
 
     def _ready(self) -> bool:
         """Ready when every worker has called for work; src/handler.py's start-up is measured then."""
@@ -166,6 +177,42 @@ class Endpoint(Server):
         self.started = started = _process_start(_worker_pid(self.proc.pid))
         return StartUp(total=taking_jobs - started, python=ready - started - sum(phases.values()),
                        phases=phases, sdk=taking_jobs - ready)
+
+
+class Balancer(Server):
+    """The local endpoint as a load-balancing endpoint: ``workers`` HTTP workers behind its balancer,
+    which relays any path (``/v1/chat/completions`` as ``vllm serve`` has it)."""
+
+    what = "the local load balancer"
+    failed_lines = FAILED_START_LINES
+
+    def __init__(self, env: dict[str, str], log_path: Path, workers: int = 1) -> None:
+        super().__init__([sys.executable, "-m", "endpoint", "--load-balancer", "--workers", str(workers)],
+                         env, log_path)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _ready(self) -> bool:
+        """Ready once its /ping answers 200: a worker's /ping answered 200 (it pings each every 0.5 s)."""
+        return self._answers("/ping")
+
+
+class BalancerWorker(Server):
+    """A load-balancing worker alone (``src/handler.py``, ``ENDPOINT_TYPE=load_balancer``): vLLM's
+    routes on its ``PORT``, without the balancer in front."""
+
+    what = "a load-balancing worker"
+    failed_lines = FAILED_START_LINES[:1]
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        super().__init__([sys.executable, str(REPO / "src" / "handler.py")], env, log_path)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _on_port(self, argv: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        return argv, {**env, "ENDPOINT_TYPE": "load_balancer", "PORT": str(self.port)}
+
+    def _ready(self) -> bool:
+        """Ready once its /ping answers 200 (204 while it starts)."""
+        return self._answers("/ping")
 
 
 def _worker_pid(endpoint_pid: int) -> int:

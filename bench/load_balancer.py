@@ -1,0 +1,63 @@
+"""Item 22: the load-balancing endpoint (``endpoint/balancer.py`` in front of a worker serving HTTP,
+``src/worker/load_balancer/``), beside ``vllm serve`` and beside queue mode.
+
+Four servers of ``plan.latency_model`` with the same engine flags (``model_env``, as item 6), each with
+one engine, all up for the whole part:
+
+- ``vllm serve``;
+- the local balancer (``python -m endpoint --load-balancer``, one worker): requests at its own
+  ``/v1/chat/completions``, relayed to the worker's HTTP server;
+- that worker alone (``src/handler.py`` with ``ENDPOINT_TYPE=load_balancer``), called on its ``PORT``:
+  what the balancer adds is the balancer's own cost, the rest the worker's;
+- the local queue endpoint (``python -m endpoint``, one worker: item 6's path, untraced), requests at
+  ``/v2/local/openai/v1/chat/completions``, each a job.
+
+Load: item 6's (``job_start.loads_in_turn``: vLLM's load generator, random 64-token prompts,
+``plan.max_tokens`` out with ``--ignore-eos``, max(16, 2n) chats), warmed up first, at each of
+``plan.concurrency``, on each server in turn while the others idle, ``plan.lb_reps`` times. Figures:
+vllm bench's median TTFT and output tokens/s of each path; their ratios, each path ÷ ``vllm serve``
+(the balancer's goal: within 5 % on both), the balancer ÷ queue mode and the balancer ÷ its worker alone.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from bench.common import VLLM_SERVE, Load, Plan, Results, model_env
+from bench.job_start import loads_in_turn
+from bench.servers import Balancer, BalancerWorker, Endpoint, Server, VllmServe
+
+ITEM = "22 load balancer (vllm bench)"
+BALANCER, ALONE, QUEUE = "load balancer", "LB worker alone", "queue endpoint"
+SERVERS: dict[str, type[Server]] = {VLLM_SERVE: VllmServe, BALANCER: Balancer, ALONE: BalancerWorker,
+                                    QUEUE: Endpoint}
+# The ratios, (numerator, denominator); the goals apply to the first one's: within 5 % of vllm serve.
+RATIOS = ((BALANCER, VLLM_SERVE), (QUEUE, VLLM_SERVE), (ALONE, VLLM_SERVE), (BALANCER, QUEUE), (BALANCER, ALONE))
+FIGURES = {"TTFT": (lambda load: load.ttft, ("≤", 1.05)),
+           "tokens/s": (lambda load: load.tokens_per_s, ("≥", 0.95))}
+
+
+def run(plan: Plan, results: Results) -> None:
+    model = plan.latency_model
+    env = model_env(model, plan)
+    logs = Path(tempfile.mkdtemp(prefix=f"bench-lb-{model}-"))
+    servers: dict[str, Server] = {}
+    try:
+        for name, kind in SERVERS.items():  # one after the other: each start has both cores
+            servers[name] = kind(env, logs / f"{name.replace(' ', '-')}.log")
+        for n, loads in loads_in_turn(servers, plan, plan.lb_reps):
+            _record(model, n, loads, results)
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+def _record(model: str, n: int, loads: dict[str, Load], results: Results) -> None:
+    for path, load in loads.items():
+        results.balancer_loads.setdefault((model, path, n), []).append(load)
+    for a, b in RATIOS:
+        for figure, (value, goal) in FIGURES.items():
+            results.figure(ITEM, model, f"{figure} {a} ÷ {b} @{n}",
+                           goal=goal if (a, b) == RATIOS[0] else None).values.append(
+                value(loads[a]) / value(loads[b]))
