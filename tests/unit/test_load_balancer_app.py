@@ -1,13 +1,14 @@
 """The load-balancing endpoint's ASGI app (``load_balancer/app``) with small stand-ins for vLLM's
 app and the handler: /ping per phase, refusals in each route's dialect, vLLM's errors in the
 route's dialect, deadlines ending a response, raw jobs' formats. The real worker behind it:
-tests/worker/test_load_balancer_worker.py."""
+tests/worker/test_load_balancer_worker.py. Last, its server's sockets (``load_balancer/server``)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import socket
 
 import pytest
 import sse_events
@@ -235,3 +236,27 @@ def test_a_caller_who_leaves_ends_the_job(path):
         await asyncio.wait_for(closed.wait(), 10)
 
     asyncio.run(go())
+
+
+def test_the_servers_connections_send_each_write_at_once():
+    """TCP_NODELAY on every accepted connection (``server.bind``): otherwise a stream's small writes
+    wait for the client's delayed ACKs, some 40 ms each."""
+    from worker.load_balancer.server import bind
+
+    async def go():
+        nodelay = asyncio.get_running_loop().create_future()
+
+        def accepted(reader, writer):
+            nodelay.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        listening = bind(0)
+        server = await asyncio.start_server(accepted, sock=listening)
+        _, writer = await asyncio.open_connection("127.0.0.1", listening.getsockname()[1])
+        try:
+            return await asyncio.wait_for(nodelay, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    assert asyncio.run(go()) != 0

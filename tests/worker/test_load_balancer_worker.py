@@ -5,6 +5,7 @@ several such workers: tests/endpoint/test_load_balancer.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -34,9 +35,10 @@ class Worker:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        # A session of its own: a test that fails leaves no engine process behind (``kill``).
         self.proc = subprocess.Popen([sys.executable, HANDLER], stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **CPU_ENV, **env, "ENDPOINT_TYPE": "load_balancer",
-                                          "PORT": str(self.port)})
+                                          "PORT": str(self.port)}, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         self.pings: list[int | str] = []
 
@@ -53,11 +55,17 @@ class Worker:
             if status == 200:
                 return
             time.sleep(0.05)
-        self.proc.kill()
+        self.kill()
         pytest.fail("worker did not serve:\n" + self.log()[-4000:])
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """The worker and every process it started (vLLM's), at once."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +74,7 @@ def worker(models, tmp_path_factory):
                     tmp_path_factory.mktemp("lb-worker") / "worker.log")
     worker.wait_serving()
     yield worker
-    if worker.proc.poll() is None:
-        worker.proc.kill()
+    worker.kill()  # stopped already by the last test, unless a test failed
 
 
 @pytest.fixture(scope="module")

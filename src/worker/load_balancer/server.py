@@ -33,14 +33,21 @@ from worker.wire.errors import StartupError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WorkerServer"]
+__all__ = ["WorkerServer", "bind"]
 
 _BACKLOG = 2048  # vLLM's uvicorn default: connections waiting to be accepted
 _STOP_SECONDS = 5.0  # for a server to close its connections once the requests have drained
 
 
-def _bind(port: int) -> socket.socket:
-    return socket.create_server(("0.0.0.0", port), backlog=_BACKLOG)  # noqa: S104 - RunPod connects from outside
+def bind(port: int) -> socket.socket:
+    """A listening socket on every interface (RunPod connects from outside), of protocol IPPROTO_TCP:
+    asyncio sets TCP_NODELAY only on accepted sockets of that protocol (``socket.create_server``'s is
+    0), and without it each small write of a stream waits for the client's delayed ACK (~40 ms)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("0.0.0.0", port))  # noqa: S104
+    sock.listen(_BACKLOG)
+    return sock
 
 
 class _Running:
@@ -69,9 +76,9 @@ class WorkerServer:
     def __init__(self, kind: EndpointKind) -> None:
         self.kind = kind
         self.app = WorkerApp()
-        self._sockets = [_bind(kind.port)]
+        self._sockets = [bind(kind.port)]
         if kind.health_port != kind.port:
-            self._sockets.append(_bind(kind.health_port))
+            self._sockets.append(bind(kind.health_port))
         self._side = BackgroundLoop("http-ping")
         self._early = _Running(self.app, self._side, self._sockets)
         self._stopping = threading.Event()
