@@ -57,9 +57,16 @@ def stream_chat(client: openai.OpenAI, model: str, max_tokens: int, started: thr
     return tokens, finish
 
 
+def both_ready(endpoint: LocalEndpoint) -> bool:
+    """Whether the balancer's latest word on each worker is "ready" (its own /ping says 200 while any is)."""
+    last = dict(re.findall(r"endpoint: (local-worker-\d) (ready|not ready)", endpoint.log()))
+    return last == {"local-worker-0": "ready", "local-worker-1": "ready"}
+
+
 def run_streams(endpoint: LocalEndpoint, model: str, max_tokens: int, then) -> list:
-    """Two concurrent streams, one per worker (the balancer's least-busy choice); ``then()`` once both
-    have tokens; the streams' outcomes."""
+    """Two concurrent streams, one per worker (the balancer's least-busy choice, once both are ready);
+    ``then()`` once both have tokens, while both still stream; the streams' outcomes."""
+    wait_for(lambda: both_ready(endpoint), 400)
     client = endpoint.openai_client()
     outcomes, started = [None, None], [threading.Event(), threading.Event()]
 
@@ -71,6 +78,7 @@ def run_streams(endpoint: LocalEndpoint, model: str, max_tokens: int, then) -> l
         thread.start()
         time.sleep(0.2)  # the first is in flight when the second is routed
     assert all(event.wait(120) for event in started)
+    assert all(thread.is_alive() for thread in threads), f"a stream ended before the other began: {outcomes}"
     then()
     for thread in threads:
         thread.join(300)
@@ -127,8 +135,8 @@ def test_sigterm_lets_a_workers_streams_finish_while_the_other_takes_new_request
     def stop_worker_0() -> None:
         os.kill(pids["local-worker-0"], signal.SIGTERM)
 
-    outcomes = run_streams(endpoint, model, 200, stop_worker_0)
-    assert outcomes == [(200, "length"), (200, "length")]
+    outcomes = run_streams(endpoint, model, 1000, stop_worker_0)
+    assert outcomes == [(1000, "length"), (1000, "length")]
     wait_for(lambda: re.search(r"local-worker-0 exited with status 0", endpoint.log()), 60)
     # The balancer sends every new request to the worker still serving, meanwhile.
     client = endpoint.openai_client()
@@ -139,14 +147,13 @@ def test_sigterm_lets_a_workers_streams_finish_while_the_other_takes_new_request
 
 def test_a_worker_killed_mid_stream_fails_its_caller_and_the_other_serves_on(endpoint, model):
     wait_for(lambda: len(worker_pids(endpoint)) == 2, 60)
-    wait_for(lambda: endpoint.http.get("/ping").status_code == 200, 400)
     pids = worker_pids(endpoint)
 
     def kill_worker_1() -> None:
         os.killpg(pids["local-worker-1"], signal.SIGKILL)
 
-    outcomes = run_streams(endpoint, model, 400, kill_worker_1)
+    outcomes = run_streams(endpoint, model, 1500, kill_worker_1)
     failed = [o for o in outcomes if isinstance(o, Exception)]
-    assert len(failed) == 1 and (400, "length") in outcomes
+    assert len(failed) == 1 and (1500, "length") in outcomes, outcomes
     client = endpoint.openai_client()
     assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices
