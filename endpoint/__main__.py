@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import uvloop
 from aiohttp import web
 
 from worker.env_text import env_value
@@ -347,7 +348,9 @@ def main() -> None:
                              "is cut off (default: 330, RunPod's)")
     parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
-    asyncio.run(serve(parser.parse_args()))
+    # uvloop, as vllm serve and RunPod's own proxies: the balancer relays every streamed chunk, and
+    # asyncio's pure-Python loop spent that CPU where the workers' engines need it (bench item 22).
+    uvloop.run(serve(parser.parse_args()))
 
 
 if __name__ == "__main__":
