@@ -38,6 +38,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--models", help="comma-separated model folders under .cache/models")
     parser.add_argument("--out", type=Path, help="folder for RESULTS.md and the chart")
     parser.add_argument("--dtype", help="every model's dtype (DTYPE), instead of its own (bfloat16)")
+    parser.add_argument("--concurrency", help="comma-separated concurrent streams, instead of 1,16,64")
+    parser.add_argument("--reps", type=int, help="repetitions of each item's loads (a noisy figure's spread "
+                                                 "shrinks with more), instead of 3")
     args = parser.parse_args()
     if unknown := set(args.parts.split(",")) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
@@ -55,6 +58,10 @@ def main() -> None:
         plan = dataclasses.replace(plan, models=tuple(args.models.split(",")))
     if args.dtype:
         plan = dataclasses.replace(plan, dtype=args.dtype)
+    if args.concurrency:
+        plan = dataclasses.replace(plan, concurrency=tuple(int(n) for n in args.concurrency.split(",")))
+    if args.reps:
+        plan = dataclasses.replace(plan, reps=args.reps, lb_reps=args.reps)
     parts = args.parts.split(",")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else common.REPO / "bench")
     results = common.Results(plan)

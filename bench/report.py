@@ -13,6 +13,7 @@ from importlib import metadata
 from pathlib import Path
 
 from bench.common import LOAD_PATHS, PARTS, REPO, Figure, Plan, Results
+from bench.load_balancer import KV_CACHE
 
 CHARTS = {"engine": "engine.png", "openai": "throughput.png"}  # each part's chart of its LOAD_PATHS
 LATENCY_CHART = "job_start.png"
@@ -190,7 +191,9 @@ def _balancer_sections(results: Results, out: Path) -> list[str]:
     return _vllm_bench_lines(results.balancer_loads, [
         "`vllm.benchmarks.serve` (random dataset, openai-chat), the four servers up together and measured",
         f"in turn, {results.plan.lb_reps} repetitions: the load balancer (`python -m endpoint --load-balancer`,",
-        "one worker), its worker alone on its `PORT`, the queue endpoint (one worker) and `vllm serve`."],
+        "one worker), its worker alone on its `PORT`, the queue endpoint (one worker) and `vllm serve`,",
+        f"each with a KV cache of {KV_CACHE} that holds the load at 64 whole (`bench/load_balancer.py`: the",
+        "figures are the paths', not item 13's admission)."],
         out, BALANCER_CHART)
 
 
