@@ -61,7 +61,7 @@ def main() -> None:
     if args.concurrency:
         plan = dataclasses.replace(plan, concurrency=tuple(int(n) for n in args.concurrency.split(",")))
     if args.reps:
-        plan = dataclasses.replace(plan, reps=args.reps, lb_reps=args.reps)
+        plan = dataclasses.replace(plan, reps=args.reps)
     parts = args.parts.split(",")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else common.REPO / "bench")
     results = common.Results(plan)

@@ -65,7 +65,6 @@ class Plan:
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
     adaptive_concurrency: tuple[int, ...] = (16, 64, 128)  # item 13
-    lb_reps: int = 3  # item 22: repetitions of its four servers' loads in turn
     # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
     # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
     dtype: str | None = None
@@ -78,7 +77,7 @@ class Plan:
 QUICK = Plan(reps=2, max_tokens=16, concurrency=(1, 4), adaptive_concurrency=(4, 16),
              openai_goal_concurrency=(1, 4), followups=5,
              first_max_tokens=8, stub_jobs=32, models=("tiny-llama",), tiny_load_reps=2,
-             latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4, lb_reps=2)
+             latency_model="tiny-llama", slot_jobs=90, trace_requests=10, trace_max_tokens=4)
 
 
 def model_env(model: str, plan: Plan) -> dict[str, str]:

@@ -115,14 +115,14 @@ def _record_loads(model: str, n: int, loads: dict[str, Load], results: Results) 
             worker.tokens_per_s / serve.tokens_per_s)
 
 
-def loads_in_turn(servers: dict[str, Server], plan: Plan, reps: int) -> Iterator[tuple[int, dict[str, Load]]]:
+def loads_in_turn(servers: dict[str, Server], plan: Plan) -> Iterator[tuple[int, dict[str, Load]]]:
     """Item 6's loads on ``servers`` (all up, serving one model), warmed up first: for each repetition
     and each of ``plan.concurrency``, every server's load, measured in turn (the others idle)."""
     path = next(iter(servers.values())).env["MODEL_NAME"]
     top = max(plan.concurrency)
     for server in servers.values():
         vllm_bench(server, path, top, top, 8)
-    for rep in range(reps):
+    for rep in range(plan.reps):
         for n in plan.concurrency:
             prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
             runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
@@ -132,7 +132,7 @@ def loads_in_turn(servers: dict[str, Server], plan: Plan, reps: int) -> Iterator
 
 def job_path(model: str, servers: dict[str, Server], plan: Plan, results: Results) -> None:
     """Item 6 on ``servers`` (the two workers' endpoints and vllm serve), warmed up first."""
-    for n, loads in loads_in_turn(servers, plan, plan.reps):
+    for n, loads in loads_in_turn(servers, plan):
         _record_loads(model, n, loads, results)
 
 

@@ -15,7 +15,7 @@ part:
 
 Load: item 6's (``job_start.loads_in_turn``: vLLM's load generator, random 64-token prompts,
 ``plan.max_tokens`` out with ``--ignore-eos``, max(16, 2n) chats), warmed up first, at each of
-``plan.concurrency``, on each server in turn while the others idle, ``plan.lb_reps`` times. Figures:
+``plan.concurrency``, on each server in turn while the others idle, ``plan.reps`` times. Figures:
 vllm bench's median TTFT and output tokens/s of each path; their ratios, each path ÷ ``vllm serve``
 (the balancer's goal: within 5 % on both), the balancer ÷ queue mode and the balancer ÷ its worker alone.
 
@@ -53,7 +53,7 @@ def run(plan: Plan, results: Results) -> None:
     try:
         for name, kind in SERVERS.items():  # one after the other: each start has both cores
             servers[name] = kind(env, logs / f"{name.replace(' ', '-')}.log")
-        for n, loads in loads_in_turn(servers, plan, plan.lb_reps):
+        for n, loads in loads_in_turn(servers, plan):
             _record(model, n, loads, results)
     finally:
         for server in servers.values():

@@ -190,7 +190,7 @@ def _balancer_sections(results: Results, out: Path) -> list[str]:
         return []
     return _vllm_bench_lines(results.balancer_loads, [
         "`vllm.benchmarks.serve` (random dataset, openai-chat), the four servers up together and measured",
-        f"in turn, {results.plan.lb_reps} repetitions: the load balancer (`python -m endpoint --load-balancer`,",
+        f"in turn, {results.plan.reps} repetitions: the load balancer (`python -m endpoint --load-balancer`,",
         "one worker), its worker alone on its `PORT`, the queue endpoint (one worker) and `vllm serve`,",
         f"each with a KV cache of {KV_CACHE} that holds the load at 64 whole (`bench/load_balancer.py`: the",
         "figures are the paths', not item 13's admission)."],
