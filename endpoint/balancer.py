@@ -7,7 +7,8 @@ ready worker and relays its answer. This does the same, on one port, in front of
 - readiness: each worker's ``GET /ping`` on its ``PORT_HEALTH``, asked every 0.5 s: 204 while it
   starts, 200 when ready (only then is it sent requests), anything else or no answer: not ready.
   A worker whose connection fails, or whose process exits, stops being ready at once;
-- choice: the ready worker with the fewest requests in flight (ties: the next one in turn);
+- choice: the ready worker with the fewest requests in flight (ties: the next one in turn), unless
+  the request names one (RunPod's worker affinity, below);
 - relay: the method, the path and query string as sent, the body and the headers, except the
   hop-by-hop ones and the caller's API key (RunPod's business, not the worker's); back, the status,
   headers and body, chunk by chunk as they come (server-sent events token by token);
@@ -17,6 +18,12 @@ ready worker and relays its answer. This does the same, on one port, in front of
   Past a limit, or when the worker fails, an answer under way is cut off, never ended cleanly, so
   that the client cannot take it for a complete one; the worker's request is closed either way, so
   the worker aborts it.
+
+Worker affinity, as RunPod's: every answer from a worker carries ``X-Runpod-Worker-Id: <its id>``, and
+a request that sends the header back with ``<id>`` prefers that worker while it is ready (soft: else
+the usual choice), with ``strict <id>`` (or ``strict-resume <id>``) goes to that worker only: it waits
+up to 5 min for it to be ready (then a 400, "timed out waiting for worker"); an id the endpoint does
+not have is a 404 (``affinity_worker_gone``). Here a restarted worker keeps its id (``local-worker-N``).
 
 The balancer's own ``GET /ping`` answers what RunPod's would: 200 while a worker is ready, else 204.
 """
@@ -37,16 +44,19 @@ from yarl import URL
 
 from .app import api_key_check, json_error
 
-__all__ = ["BalancerConfig", "Pool", "Worker", "create_balancer_app", "free_ports"]
+__all__ = ["WORKER_ID", "Affinity", "BalancerConfig", "Pool", "Worker", "create_balancer_app", "free_ports"]
 
 MIB = 2**20
 # Headers about one connection (RFC 9110, 7.6.1), which a proxy does not pass on; a header that
 # ``Connection`` names is one of them too.
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                         "trailer", "transfer-encoding", "upgrade"})
-# Also kept from the worker: the caller's key, which RunPod checks itself, and what the relay's own
-# request states anew (its host; the body's length, read whole: nothing to expect a 100 for).
-NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", "host", "content-length", "expect"}
+WORKER_ID = "X-Runpod-Worker-Id"  # RunPod's: the worker that answered; sent back, the one to route to
+# Also kept from the worker: the caller's key, which RunPod checks itself, its worker affinity (the
+# balancer's business), and what the relay's own request states anew (its host; the body's length,
+# read whole: nothing to expect a 100 for).
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "x-api-key", WORKER_ID.lower(), "host", "content-length",
+                              "expect"}
 # Headers aiohttp would add on its own: the worker gets only what the caller sent.
 NO_AUTO_HEADERS = ("Accept", "Accept-Encoding", "Content-Type", "User-Agent")
 
@@ -57,9 +67,30 @@ class BalancerConfig:
     max_body_bytes: int = 30 * MIB  # RunPod's limit per request body ...
     max_response_bytes: int = 30 * MIB  # ... and per response
     worker_wait_seconds: float = 120.0  # RunPod's: no ready worker by then is a 400
+    affinity_wait_seconds: float = 300.0  # RunPod's, for the worker a request strictly names
     request_timeout_seconds: float = 330.0  # RunPod's: a request running longer is a 524
     ping_interval_seconds: float = 0.5
     ping_timeout_seconds: float = 10.0  # a worker busy with a burst may be slow to answer
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """The worker a request names in ``X-Runpod-Worker-Id``: preferred, or, ``strict``, required."""
+    worker_id: str
+    strict: bool
+
+    @classmethod
+    def of(cls, header: str | None) -> Affinity | None:
+        """The header's affinity (None: none asked); ValueError names a value that is neither
+        ``<id>``, ``strict <id>`` nor ``strict-resume <id>``."""
+        words = (header or "").split()
+        if not words:
+            return None
+        strict = words[0] in ("strict", "strict-resume")
+        if len(words) != 1 + strict:
+            raise ValueError(f"{WORKER_ID} must be <worker-id>, strict <worker-id> or strict-resume "
+                             f"<worker-id>, not {header!r}")
+        return cls(words[-1], strict)
 
 
 @dataclass(eq=False)
@@ -170,18 +201,25 @@ class Pool:
 
     # --- choice ---------------------------------------------------------------------------------
 
-    async def choose(self, wait: float) -> Worker | None:
-        """The ready worker with the fewest requests in flight, waiting up to ``wait`` seconds for one
-        (None: none was ready by then)."""
+    async def choose(self, wait: float, affinity: Affinity | None = None) -> Worker | None:
+        """The ready worker with the fewest requests in flight, or the one ``affinity`` names while
+        it is ready (strict: only that one), waiting up to ``wait`` seconds (None: none was ready by
+        then)."""
         try:
             async with asyncio.timeout(wait):
-                while (worker := self._pick()) is None:
+                while (worker := self._pick(affinity)) is None:
                     await self._changed.wait()
         except TimeoutError:
             return None
         return worker
 
-    def _pick(self) -> Worker | None:
+    def _pick(self, affinity: Affinity | None) -> Worker | None:
+        if affinity is not None:
+            named = self.by_id.get(affinity.worker_id)
+            if named is not None and named.ready:
+                return named
+            if affinity.strict:
+                return None
         ready = [i for i, worker in enumerate(self.workers) if worker.ready]
         if not ready:
             return None
@@ -260,14 +298,29 @@ class Balancer:
             body = await request.read()  # whole: a body over the limit never reaches a worker
         except web.HTTPRequestEntityTooLarge:
             return json_error(413, f"the request body is larger than {limit} bytes (RunPod's limit)")
-        worker = await self.pool.choose(wait)
+        try:
+            affinity = Affinity.of(request.headers.get(WORKER_ID))
+        except ValueError as exc:
+            return json_error(400, str(exc))
+        if affinity and affinity.strict:
+            if affinity.worker_id not in self.pool.by_id:
+                return json_error(404, f"affinity_worker_gone: this endpoint has no worker "
+                                       f"{affinity.worker_id!r} ({', '.join(self.pool.by_id)})")
+            wait = self.config.affinity_wait_seconds
+        worker = await self.pool.choose(wait, affinity)
+        if worker is None and affinity and affinity.strict:
+            return json_error(400, f"timed out waiting for worker {affinity.worker_id} ({wait:g} s; "
+                                   f"{self.pool.by_id[affinity.worker_id].state})")
         if worker is None:
             return json_error(400, f"no worker was ready within {wait:g} s ({self.pool.states()})")
         worker.in_flight += 1
         try:
-            return await self._relay(request, body, worker)
+            response = await self._relay(request, body, worker)
         finally:
             worker.in_flight -= 1
+        if response is not None and not response.prepared:  # the balancer's own error
+            response.headers[WORKER_ID] = worker.id
+        return response
 
     async def _relay(self, request: web.Request, body: bytes, worker: Worker) -> web.StreamResponse:
         """The worker's answer, relayed as it comes, within the request timeout."""
@@ -276,7 +329,7 @@ class Balancer:
         try:
             async with asyncio.timeout(timeout):
                 answer = await self._send(request, body, worker)
-                response = self._head(answer)
+                response = self._head(answer, worker)
                 await response.prepare(request)
                 await self._copy(answer, response, worker)
             return response
@@ -301,13 +354,15 @@ class Balancer:
         except aiohttp.ClientError as exc:  # refused, reset, closed, or not HTTP
             raise self._lost(worker, exc, "before answering") from exc
 
-    def _head(self, answer: aiohttp.ClientResponse) -> web.StreamResponse:
-        """The client's response, not begun yet, as the worker's headers describe it."""
+    def _head(self, answer: aiohttp.ClientResponse, worker: Worker) -> web.StreamResponse:
+        """The client's response, not begun yet, as the worker's headers describe it, and which
+        worker it is."""
         if (answer.content_length or 0) > self.config.max_response_bytes:
             raise Stop(502, f"the worker's answer is larger than {self.config.max_response_bytes} bytes "
                             "(RunPod's limit)")
-        return web.StreamResponse(status=answer.status, reason=answer.reason,
-                                  headers=_forwarded(answer.headers, HOP_BY_HOP))
+        headers = _forwarded(answer.headers, HOP_BY_HOP)
+        headers[WORKER_ID] = worker.id
+        return web.StreamResponse(status=answer.status, reason=answer.reason, headers=headers)
 
     async def _copy(self, answer: aiohttp.ClientResponse, response: web.StreamResponse,
                     worker: Worker) -> None:

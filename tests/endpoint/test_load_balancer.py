@@ -1,22 +1,27 @@
 """A load-balancing endpoint on this machine: ``python -m endpoint --load-balancer`` with two real
 workers (ENDPOINT_TYPE=load_balancer, each answering /ping on a port of its own), called as RunPod's
 balancer is called: the official openai and anthropic clients, streaming or not; /ping through the
-start; a worker stopped with SIGTERM while it streams (its streams finish, the other worker takes
-the new requests); a worker killed mid-stream (its caller gets an error, the other serves on)."""
+start; RunPod's worker affinity (X-Runpod-Worker-Id); a worker stopped with SIGTERM while it streams
+(its stream finishes, the other worker takes the new requests); a worker killed mid-stream (its
+caller gets an error, the other serves on). The streams a test stops a worker under are sent there
+with strict affinity, and the signal goes as their first token arrives, from the client's loop: two
+engines on these 2 cores slow each other so much that a timing of two streams was never sure."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
 import threading
-import time
 
 import anthropic
 import openai
 import pytest
 from conftest import engine_env, wait_for
 from local_endpoint import API_KEY, HealthSampler, LocalEndpoint, worker_pids
+
+from endpoint.balancer import WORKER_ID
 
 MESSAGES = [{"role": "user", "content": "Write a story about the sea"}]
 
@@ -37,52 +42,40 @@ def model(endpoint) -> str:
     return endpoint.model()
 
 
-def stream_chat(client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event) -> object:
-    """The stream's token count (its usage) and finish reason, or the error the stream raised."""
-    tokens, finish = None, None
+def stream_chat(client: openai.OpenAI, model: str, max_tokens: int, worker: str | None = None,
+                on_first_token=lambda: None) -> tuple:
+    """The stream's worker (its X-Runpod-Worker-Id), and its token count (its usage) and finish
+    reason, or the error it raised. ``worker``: sent there only (strict affinity). ``on_first_token()``
+    runs as the first token arrives, before the stream is read further."""
+    affinity = {WORKER_ID: f"strict {worker}"} if worker else None
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, max_tokens=max_tokens,
+                                            temperature=0, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}, extra_headers=affinity)
+    tokens, finish, started = None, None, False
     try:
-        for chunk in client.chat.completions.create(model=model, messages=MESSAGES, stream=True,
-                                                    max_tokens=max_tokens, temperature=0,
-                                                    stream_options={"include_usage": True},
-                                                    extra_body={"ignore_eos": True}):
-            if chunk.choices and chunk.choices[0].delta.content:
-                started.set()
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content and not started:
+                started = True
+                on_first_token()
             if chunk.choices and chunk.choices[0].finish_reason:
                 finish = chunk.choices[0].finish_reason
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
     except (openai.APIError, openai.APIConnectionError) as exc:
-        started.set()
-        return exc
-    return tokens, finish
+        return stream.response.headers[WORKER_ID], exc
+    return stream.response.headers[WORKER_ID], (tokens, finish)
 
 
-def both_ready(endpoint: LocalEndpoint) -> bool:
-    """Whether the balancer's latest word on each worker is "ready" (its own /ping says 200 while any is)."""
-    last = dict(re.findall(r"endpoint: (local-worker-\d) (ready|not ready)", endpoint.log()))
-    return last == {"local-worker-0": "ready", "local-worker-1": "ready"}
+def in_thread(function, *args, **kwargs) -> concurrent.futures.Future:
+    return concurrent.futures.ThreadPoolExecutor(1).submit(function, *args, **kwargs)
 
 
-def run_streams(endpoint: LocalEndpoint, model: str, max_tokens: int, then) -> list:
-    """Two concurrent streams, one per worker (the balancer's least-busy choice, once both are ready);
-    ``then()`` once both have tokens, while both still stream; the streams' outcomes."""
-    wait_for(lambda: both_ready(endpoint), 400)
-    client = endpoint.openai_client()
-    outcomes, started = [None, None], [threading.Event(), threading.Event()]
-
-    def run(i: int) -> None:
-        outcomes[i] = stream_chat(client, model, max_tokens, started[i])
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.2)  # the first is in flight when the second is routed
-    assert all(event.wait(120) for event in started)
-    assert all(thread.is_alive() for thread in threads), f"a stream ended before the other began: {outcomes}"
-    then()
-    for thread in threads:
-        thread.join(300)
-    return outcomes
+def served_by(client: openai.OpenAI, model: str, affinity: str | None = None) -> str:
+    """A short chat's worker (it must succeed), with ``affinity`` as its X-Runpod-Worker-Id."""
+    answer = client.chat.completions.with_raw_response.create(
+        model=model, messages=MESSAGES, max_tokens=2, extra_headers={WORKER_ID: affinity} if affinity else None)
+    assert answer.parse().choices[0].message.content
+    return answer.headers[WORKER_ID]
 
 
 def test_ping_says_204_until_a_worker_serves_then_200(endpoint):
@@ -128,32 +121,45 @@ def test_raw_jobs_through_the_balancer(endpoint):
     assert endpoint.http.post("/runsync", json={"input": {}}).status_code == 400
 
 
-def test_sigterm_lets_a_workers_streams_finish_while_the_other_takes_new_requests(endpoint, model):
+def test_a_request_naming_a_worker_goes_to_it(endpoint, model):
+    client = endpoint.openai_client()
+    first = served_by(client, model)
+    other = {"local-worker-0": "local-worker-1", "local-worker-1": "local-worker-0"}[first]
+    named = [served_by(client, model, affinity) for affinity in (first, first, f"strict {other}", first)]
+    assert named == [first, first, other, first]  # without the header, these would take turns
+
+
+def test_sigterm_lets_a_workers_stream_finish_while_the_other_takes_new_requests(endpoint, model):
     pids = worker_pids(endpoint)
     readies = endpoint.log().count("local-worker-0 ready (")
+    out = endpoint.log().count("local-worker-0 not ready: /ping answered 503")
+    client, signalled = endpoint.openai_client(), threading.Event()
 
-    def stop_worker_0() -> None:
+    def stop_worker_0() -> None:  # while its stream has 999 tokens to go
         os.kill(pids["local-worker-0"], signal.SIGTERM)
+        signalled.set()
 
-    outcomes = run_streams(endpoint, model, 1000, stop_worker_0)
-    assert outcomes == [(1000, "length"), (1000, "length")]
+    draining = in_thread(stream_chat, client, model, 1000, "local-worker-0", stop_worker_0)
+    assert signalled.wait(400)
+    wait_for(lambda: endpoint.log().count("local-worker-0 not ready: /ping answered 503") > out, 60)
+    # Meanwhile, the balancer sends every new request to the worker still serving.
+    new = in_thread(stream_chat, client, model, 300)
+    assert [served_by(client, model) for _ in range(3)] == ["local-worker-1"] * 3
+    assert draining.result(300) == ("local-worker-0", (1000, "length"))
+    assert new.result(300) == ("local-worker-1", (300, "length"))
+    assert "Draining: 1 request(s) in flight" in endpoint.log()
     wait_for(lambda: re.search(r"local-worker-0 exited with status 0", endpoint.log()), 60)
-    # The balancer sends every new request to the worker still serving, meanwhile.
-    client = endpoint.openai_client()
-    for _ in range(3):
-        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)
     wait_for(lambda: endpoint.log().count("local-worker-0 ready (") > readies, 400)  # restarted
 
 
 def test_a_worker_killed_mid_stream_fails_its_caller_and_the_other_serves_on(endpoint, model):
     wait_for(lambda: len(worker_pids(endpoint)) == 2, 60)
-    pids = worker_pids(endpoint)
+    pids, client = worker_pids(endpoint), endpoint.openai_client()
 
-    def kill_worker_1() -> None:
+    def kill_worker_1() -> None:  # while its stream has 999 tokens to go
         os.killpg(pids["local-worker-1"], signal.SIGKILL)
 
-    outcomes = run_streams(endpoint, model, 1500, kill_worker_1)
-    failed = [o for o in outcomes if isinstance(o, Exception)]
-    assert len(failed) == 1 and (1500, "length") in outcomes, outcomes
-    client = endpoint.openai_client()
-    assert client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2).choices
+    worker, outcome = stream_chat(client, model, 1000, "local-worker-1", kill_worker_1)
+    assert worker == "local-worker-1" and isinstance(outcome, openai.APIConnectionError), outcome
+    assert stream_chat(client, model, 300) == ("local-worker-0", (300, "length"))
+    assert [served_by(client, model) for _ in range(2)] == ["local-worker-0"] * 2

@@ -24,7 +24,7 @@ from dev_env import free_port
 from yarl import URL
 
 import endpoint.__main__ as main
-from endpoint.balancer import BalancerConfig, Pool, Worker, create_balancer_app
+from endpoint.balancer import WORKER_ID, BalancerConfig, Pool, Worker, create_balancer_app
 
 STUB = REPO / "tests" / "stub_lb_worker.py"
 EVENT = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
@@ -231,6 +231,56 @@ def test_the_ready_worker_with_the_fewest_requests_in_flight_is_chosen_ties_in_t
     assert balanced(scenario, w0, w1) == (["w1"] * 3, ["w0", "w1", "w0", "w1"])
 
 
+def test_each_answer_names_its_worker_and_a_request_naming_one_goes_there():
+    w0, w1 = FakeWorker("w0"), FakeWorker("w1")
+
+    async def scenario(client, pool):
+        async def by(affinity: str) -> str:
+            return await served_by(client, headers={WORKER_ID.lower(): affinity})
+
+        answer = await client.get("/echo")
+        body = await answer.json()
+        assert answer.headers[WORKER_ID] == body["worker"] == "w0"  # the first in turn
+        assert WORKER_ID.lower() not in {name.lower() for name, _ in body["headers"]}
+        held = asyncio.ensure_future(served_by(client, "/hold/a", headers={WORKER_ID: "strict w1"}))
+        await until(lambda: w1.requests == ["/hold/a"])
+        # w1 is the busier, yet the one named; an id it does not have, or none: the usual choice.
+        chosen = [await by("w1"), await by(" strict  w1 "), await by("strict-resume w1"), await by("w9"),
+                  await by("")]
+        w1.release("a")
+        assert await held == "w1"
+        return chosen
+
+    assert balanced(scenario, w0, w1) == ["w1", "w1", "w1", "w0", "w0"]
+
+
+def test_a_named_worker_that_is_not_ready_soft_falls_back_strict_waits_unknown_is_404():
+    w0, w1 = FakeWorker("w0", ping=503), FakeWorker("w1")
+
+    async def scenario(client, pool):
+        async def strict(worker: str) -> tuple[int, dict]:
+            response = await client.get("/echo", headers={WORKER_ID: f"strict {worker}"})
+            return response.status, await response.json()
+
+        assert await served_by(client, headers={WORKER_ID: "w0"}) == "w1"
+        timed_out, gone = await strict("w0"), await strict("w9")
+        bad = [await client.get("/echo", headers={WORKER_ID: value}) for value in ("strict", "w0 w1")]
+        waiting = asyncio.ensure_future(strict("w0"))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        w0.ping_status = 200  # its restart, say
+        return timed_out, gone, [(r.status, (await r.json())["error"]) for r in bad], await waiting
+
+    timed_out, gone, bad, waited = balanced(scenario, w0, w1, affinity_wait_seconds=0.5)
+    assert timed_out == (400, {"error": "timed out waiting for worker w0 (0.5 s; /ping answered 503)"})
+    assert gone == (404, {"error": "affinity_worker_gone: this endpoint has no worker 'w9' (w0, w1)"})
+    assert [status for status, _ in bad] == [400, 400]
+    assert bad[0][1] == ("X-Runpod-Worker-Id must be <worker-id>, strict <worker-id> or strict-resume "
+                         "<worker-id>, not 'strict'")
+    assert waited[0] == 200 and waited[1]["worker"] == "w0"
+    assert w0.requests == ["/echo"] and w1.requests == ["/echo"]
+
+
 def test_server_sent_events_are_relayed_as_they_come():
     w0 = FakeWorker("w0")
 
@@ -323,7 +373,7 @@ def test_a_worker_that_dies_before_answering_is_a_502_not_retried_and_the_others
 
     async def scenario(client, pool):
         died = await client.get("/die")  # w0, the first in turn
-        assert not pool.by_id["w0"].ready
+        assert not pool.by_id["w0"].ready and died.headers[WORKER_ID] == "w0"
         return died.status, [await served_by(client) for _ in range(2)]
 
     status, after = balanced(scenario, w0, w1, ping_interval_seconds=3600)
