@@ -302,13 +302,14 @@ class Balancer:
             affinity = Affinity.of(request.headers.get(WORKER_ID))
         except ValueError as exc:
             return json_error(400, str(exc))
-        if affinity and affinity.strict:
-            if affinity.worker_id not in self.pool.by_id:
-                return json_error(404, f"affinity_worker_gone: this endpoint has no worker "
-                                       f"{affinity.worker_id!r} ({', '.join(self.pool.by_id)})")
+        strict = affinity is not None and affinity.strict
+        if strict and affinity.worker_id not in self.pool.by_id:
+            return json_error(404, f"affinity_worker_gone: this endpoint has no worker "
+                                   f"{affinity.worker_id!r} ({', '.join(self.pool.by_id)})")
+        if strict:
             wait = self.config.affinity_wait_seconds
         worker = await self.pool.choose(wait, affinity)
-        if worker is None and affinity and affinity.strict:
+        if worker is None and strict:
             return json_error(400, f"timed out waiting for worker {affinity.worker_id} ({wait:g} s; "
                                    f"{self.pool.by_id[affinity.worker_id].state})")
         if worker is None:

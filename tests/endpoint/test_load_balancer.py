@@ -9,11 +9,11 @@ engines on these 2 cores slow each other so much that a timing of two streams wa
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import openai
@@ -51,7 +51,7 @@ def stream_chat(client: openai.OpenAI, model: str, max_tokens: int, worker: str 
     stream = client.chat.completions.create(model=model, messages=MESSAGES, stream=True, max_tokens=max_tokens,
                                             temperature=0, stream_options={"include_usage": True},
                                             extra_body={"ignore_eos": True}, extra_headers=affinity)
-    tokens, finish, started = None, None, False
+    answered_by, tokens, finish, started = stream.response.headers[WORKER_ID], None, None, False
     try:
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content and not started:
@@ -62,12 +62,8 @@ def stream_chat(client: openai.OpenAI, model: str, max_tokens: int, worker: str 
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
     except (openai.APIError, openai.APIConnectionError) as exc:
-        return stream.response.headers[WORKER_ID], exc
-    return stream.response.headers[WORKER_ID], (tokens, finish)
-
-
-def in_thread(function, *args, **kwargs) -> concurrent.futures.Future:
-    return concurrent.futures.ThreadPoolExecutor(1).submit(function, *args, **kwargs)
+        return answered_by, exc
+    return answered_by, (tokens, finish)
 
 
 def served_by(client: openai.OpenAI, model: str, affinity: str | None = None) -> str:
@@ -139,14 +135,15 @@ def test_sigterm_lets_a_workers_stream_finish_while_the_other_takes_new_requests
         os.kill(pids["local-worker-0"], signal.SIGTERM)
         signalled.set()
 
-    draining = in_thread(stream_chat, client, model, 1000, "local-worker-0", stop_worker_0)
-    assert signalled.wait(400)
-    wait_for(lambda: endpoint.log().count("local-worker-0 not ready: /ping answered 503") > out, 60)
-    # Meanwhile, the balancer sends every new request to the worker still serving.
-    new = in_thread(stream_chat, client, model, 300)
-    assert [served_by(client, model) for _ in range(3)] == ["local-worker-1"] * 3
-    assert draining.result(300) == ("local-worker-0", (1000, "length"))
-    assert new.result(300) == ("local-worker-1", (300, "length"))
+    with ThreadPoolExecutor(2) as pool:
+        draining = pool.submit(stream_chat, client, model, 1000, "local-worker-0", stop_worker_0)
+        assert signalled.wait(400)
+        wait_for(lambda: endpoint.log().count("local-worker-0 not ready: /ping answered 503") > out, 60)
+        # Meanwhile, the balancer sends every new request to the worker still serving.
+        new = pool.submit(stream_chat, client, model, 300)
+        assert [served_by(client, model) for _ in range(3)] == ["local-worker-1"] * 3
+        assert draining.result(300) == ("local-worker-0", (1000, "length"))
+        assert new.result(300) == ("local-worker-1", (300, "length"))
     assert "Draining: 1 request(s) in flight" in endpoint.log()
     wait_for(lambda: re.search(r"local-worker-0 exited with status 0", endpoint.log()), 60)
     wait_for(lambda: endpoint.log().count("local-worker-0 ready (") > readies, 400)  # restarted

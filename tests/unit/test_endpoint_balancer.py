@@ -1,8 +1,8 @@
 """The local endpoint's load-balancing mode without vLLM: the balancer in front of small fake workers
 (aiohttp servers started here, which the tests steer), then ``python -m endpoint --load-balancer``
-with ``tests/stub_lb_worker.py``: readiness from /ping, the least busy worker, the relay (streams
-chunk by chunk, headers, paths and queries), RunPod's limits, failing workers, the API key, and what
-the workers are started with."""
+with ``tests/stub_lb_worker.py``: readiness from /ping, the least busy worker, worker affinity, the
+relay (streams chunk by chunk, headers, paths and queries), RunPod's limits, failing workers, the API
+key, and what the workers are started with."""
 
 from __future__ import annotations
 
