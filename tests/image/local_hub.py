@@ -112,8 +112,8 @@ class Download:
     revision: str  # as the request named it (a branch, a tag or a sha)
     path: str
     start: int  # the first byte sent: 0 unless a Range asked for a later one
-    sent: int = 0  # bytes of the body sent so far
-    complete: bool = False  # the whole body (the range, if one was asked) was sent
+    sent: int = 0  # bytes of the body handed to the connection so far (counted before each write)
+    complete: bool = False  # the whole body (the range, if one was asked) was handed over
 
 
 class _HubError(Exception):
@@ -405,18 +405,21 @@ class _Handler(BaseHTTPRequestHandler):
         `download`; stop short (the connection then closes before its Content-Length) when the client
         goes away or `interrupt` is called."""
         pace = _Pace(self.hub)
+        download.complete = start == end  # an empty body is sent whole
         with blob.open() as f:
             f.seek(start)
             while download.sent < end - start:
                 size = pace.next_chunk(end - start - download.sent)
                 if size == 0:  # interrupted
                     return
+                # Counted before the write, so that a client that has the bytes finds them counted.
+                download.sent += size
+                download.complete = download.sent == end - start
                 try:
                     self.wfile.write(f.read(size))
                 except ConnectionError:  # the client went away mid-download
+                    download.complete = False
                     return
-                download.sent += size
-        download.complete = True
 
 
 class _Pace:

@@ -24,6 +24,7 @@ from dev_env import free_port
 
 HANDLER = str(REPO / "src" / "handler.py")
 GRACE_SECONDS = 6
+LONG_CONTEXT = 16384
 RAW_GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}  # the openai client's
 
@@ -70,7 +71,10 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def worker(models, tmp_path_factory):
-    worker = Worker(engine_env(models["tiny-llama"], SHUTDOWN_GRACE_PERIOD=str(GRACE_SECONDS)),
+    # A context of 16k (tiny-llama's own is 2,048; its text does not matter here): room for a request
+    # that cannot end within the grace period on any machine the suite runs on.
+    worker = Worker(engine_env(models["tiny-llama"], SHUTDOWN_GRACE_PERIOD=str(GRACE_SECONDS),
+                               MAX_MODEL_LEN=str(LONG_CONTEXT), VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"),
                     tmp_path_factory.mktemp("lb-worker") / "worker.log")
     worker.wait_serving()
     yield worker
@@ -199,8 +203,10 @@ def test_sigterm_drains_the_requests_in_flight_then_exits(worker, model):
         except openai.APIError as exc:
             outcomes[name] = exc
 
-    # The long one: more tokens than the context holds after the prompt... at most 2048 in all.
-    threads = [threading.Thread(target=chat, args=("short", 16)), threading.Thread(target=chat, args=("long", 2000))]
+    # The long one: 16,000 tokens, 8 times the grace period's worth on these machines (a 2,000-token
+    # one, the most a 2,048 context holds, ended within it once).
+    threads = [threading.Thread(target=chat, args=("short", 16)),
+               threading.Thread(target=chat, args=("long", LONG_CONTEXT - 384))]
     for thread in threads:
         thread.start()
     assert first_tokens["long"].wait(60)
