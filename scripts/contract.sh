@@ -48,4 +48,5 @@ if [[ -n "$SITE" ]]; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 exec .venv/bin/python -m pytest -p no:cacheprovider tests/contract/check_vllm.py \
-  tests/unit/test_engine_args.py tests/unit/test_legacy_env.py tests/unit/test_job_input.py "$@"
+  tests/unit/test_engine_args.py tests/unit/test_extra_args.py tests/unit/test_legacy_env.py \
+  tests/unit/test_job_input.py tests/unit/test_raw_format.py "$@"

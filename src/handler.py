@@ -3,11 +3,13 @@
 Accepted job inputs (``job["input"]``, read by ``jobs/job_input``):
 
 - raw:    ``{"prompt" | "messages", "sampling_params", "stream", "apply_chat_template", "model"}``
-          (``model``: a LoRA adapter's name)
+          (``model``: a LoRA adapter's name), answered in the seed's tokens format or, with
+          ``RAW_JOB_FORMAT=openai``, as worker-vllm 2.24 answers it (``routes/raw_format``)
 - OpenAI: ``{"openai_route": "/v1/<route>", "openai_input": <request body>, "method"}`` (or
           worker-vllm 2.24's ``route`` and ``body``)
 - both:   ``"timeout"``, and the stream batching knobs ``"max_batch_size", "min_batch_size",
-          "batch_size_growth_factor"``
+          "batch_size_growth_factor"``; a request parameter beside them (``max_tokens``) is refused,
+          any other key ignored with a warning (``engine/sampling.check_top_level``)
 
 Start-up (main process only; vLLM's spawned workers re-import this file as ``__mp_main__``):
 check and fetch the model, read and validate all configuration, build the engine
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from worker.engine.vllm_engine import vLLMEngine
     from worker.load_balancer.server import WorkerServer
     from worker.scheduling.concurrency import Concurrency
+    from worker.startup.watchdog import Watchdog
 
 log = logging.getLogger("handler")
 
@@ -93,26 +96,40 @@ def _add_grace_period(grace_period: float) -> None:
         loop.add_signal_handler(sig, on_signal)
 
 
+def _engine_for(job_input: JobInput) -> Any:
+    """The engine serving a job: the OpenAI routes' for a route, and for a raw job in worker-vllm
+    2.24's format (RAW_JOB_FORMAT=openai); else the raw path's."""
+    if job_input.openai_route is not None:
+        return openai_engine
+    if vllm_engine is not None and vllm_engine.settings.raw_job_format == "openai":
+        return openai_engine
+    return vllm_engine
+
+
 async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     try:
         job_input = JobInput.from_job(job)
     except RequestError as exc:
         yield error_from_exception(exc, anthropic=_asks_anthropic(job))
         return
-    engine = openai_engine if job_input.openai_route else vllm_engine
+    engine = _engine_for(job_input)
     anthropic = is_anthropic_route(job_input.openai_route)  # errors in the route's dialect
     if engine is None:
         what = f"route {job_input.openai_route!r}" if job_input.openai_route else "raw jobs"
         yield error_response(HTTPStatus.BAD_REQUEST, f"this worker does not serve {what}",
                              anthropic=anthropic)
         return
-    timeout = job_input.timeout or engine.settings.job_timeout
+    settings = engine.settings
+    timeout, limit = settings.timeout_for(job_input.timeout)
     try:
+        from worker.engine.sampling import check_top_level  # loaded already: the engine runs on it
+
+        check_top_level(job_input, settings.raw_job_format, job.get("id"))
         async for item in deadlines.bound(engine.generate(job_input), timeout):
             yield item
     except DeadlinePassed as passed:
-        yield deadline_error(f"Job {job.get('id')}", passed, timeout, engine.settings.shutdown_grace_period,
-                             anthropic)
+        yield deadline_error(f"Job {job.get('id')}", passed, timeout, settings.shutdown_grace_period,
+                             anthropic, limit)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
         from worker.vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
 
@@ -196,18 +213,22 @@ def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
     raise SystemExit(0)
 
 
-def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str]:
-    """Everything start-up does before jobs are taken (``startup/steps``); sets the engines."""
+def _start(phase: Callable[[str], None], watchdog: Watchdog) -> tuple[WorkerConfig, Concurrency, str]:
+    """Everything start-up does before jobs are taken (``startup/steps``), in the watchdog's phases;
+    sets the engines."""
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
     from worker.startup.steps import fetch_model
     from worker.startup.steps import start_engine as start_with_retry
 
-    downloaded = fetch_model()  # before vLLM is imported: a bad repo or token is answered in seconds
+    # Before vLLM is imported: a bad repo or token is answered in seconds.
+    downloaded = fetch_model(watchdog.enter)
     phase("model")
+    watchdog.enter("load")
     from worker.config.settings import load_config
-    from worker.vllm_adapter import CACHE_ENTRY_DIRS, cache_root
+    from worker.vllm_adapter import CACHE_ENTRY_DIRS, cache_root, engine_phase
 
+    watchdog.engine_phase = engine_phase
     config = load_config(downloaded=downloaded)
     phase("config")
     cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
@@ -217,6 +238,7 @@ def _start(phase: Callable[[str], None]) -> tuple[WorkerConfig, Concurrency, str
     threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
     vllm_engine, jobs = start_with_retry(config, lambda cfg: start_engine(cfg, warm_up=False))
     phase("engine")
+    watchdog.enter("warm-up")
     from worker.routes.serving import OpenAIvLLMEngine
     from worker.scheduling import job_loop
 
@@ -295,14 +317,16 @@ def main() -> None:
     from dotenv import load_dotenv
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
-    from worker.config.settings import endpoint_kind
+    from worker.config.settings import endpoint_kind, startup_timeout
+    from worker.startup.watchdog import Watchdog
 
+    watchdog = Watchdog(startup_timeout(), clock=time.perf_counter, started=mark)  # from main()'s start
     phase("imports")
     server = None
     try:
         kind = endpoint_kind()
         server = _bind_ports(kind)
-        config, jobs, cache_state = _start(phase)
+        config, jobs, cache_state = watchdog.run(lambda: _start(phase, watchdog))
     except StartupError as failure:
         log.error("Worker could not start: %s", failure)
         _answer_failure(failure, server)

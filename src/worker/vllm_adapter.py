@@ -16,9 +16,10 @@ import json
 import logging
 import os
 import re
+import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, aclosing
+from contextlib import AbstractAsyncContextManager, aclosing, suppress
 from http import HTTPStatus
 from pathlib import Path
 
@@ -45,6 +46,8 @@ except ModuleNotFoundError:  # vLLM 0.32
         propagate_flash_late_interaction,
         validate_parsed_serve_args,
     )
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.entrypoints.serve.exception_handling.error_response import (
     create_error_response as _vllm_error_response,
 )
@@ -77,17 +80,17 @@ from worker.env_text import env_value
 from worker.wire.errors import RequestError
 
 __all__ = [
-    "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
+    "Admitted", "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
-    "engine_failure", "ENGINE_FAILURE_FILE_ENV", "memory_estimate", "note_engine_failures",
-    "unsupported_architectures",
-    "engine_arg_dests", "engine_args_from", "engine_config_message",
-    "EngineDeadError", "error_status", "VLLM_VERSION", "frontend_arg_dests", "import_app_modules", "is_dead", "is_fatal",
-    "Admitted", "gate_requests", "keep_adapters_loaded", "load_adapter",
-    "LoRARequest", "max_cpu_loras", "plugin_adapter", "serve_adapters", "kv_cache_size", "load_chat_template", "LoadObserver", "prompt_tokens", "make_sampling_params", "max_num_seqs", "POOLING_TASKS",
-    "PoolingParams", "REQUEST_ERRORS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
-    "SamplingParams", "start_engine", "TokensPrompt", "validate_frontend_args", "visible_gpu_count",
-    "VllmConfig",
+    "engine_arg_dests", "engine_args_from", "engine_config_message", "engine_failure",
+    "ENGINE_FAILURE_FILE_ENV", "engine_phase", "ENGINE_PHASE_FILE_ENV", "EngineDeadError", "error_status",
+    "frontend_arg_dests", "gate_requests", "import_app_modules", "is_dead", "is_fatal",
+    "keep_adapters_loaded", "kv_cache_size", "load_adapter", "load_chat_template", "LoadObserver",
+    "LoRARequest", "make_sampling_params", "max_cpu_loras", "max_num_seqs", "memory_estimate",
+    "note_engine_failures", "plugin_adapter", "POOLING_TASKS", "PoolingParams", "prompt_tokens",
+    "REQUEST_ERRORS", "REQUEST_FIELDS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
+    "SamplingParams", "serve_adapters", "start_engine", "TokensPrompt", "unsupported_architectures",
+    "validate_frontend_args", "visible_gpu_count", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
 ]
 
 VLLM_VERSION = vllm.__version__
@@ -122,6 +125,10 @@ SAMPLING_FIELDS = frozenset(
     name for name in SamplingParams.__struct_fields__
     if not name.startswith("_") and name not in _WORKER_CONTROLLED
 )
+
+
+# The fields of the request bodies vLLM's completions and chat completions routes take.
+REQUEST_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 
 class _RaisingParser(FlexibleArgumentParser):
@@ -284,10 +291,17 @@ def _kv_element_size(vllm_config: VllmConfig) -> int:
 
 # vLLM's engine processes report a failed start only in their log ("EngineCore failed to start"):
 # the worker's main process sees "Engine core initialization failed. See root cause above". Each of
-# them notes the first exception it logs in this file, which the worker reads to tell the caller.
+# them notes the first exception it logs in this file, which the worker reads to tell the caller;
+# and, in another, the end of their weights' load (``engine_phase``), for the start-up watchdog.
 ENGINE_FAILURE_FILE_ENV = "WORKER_ENGINE_FAILURE_FILE"
+ENGINE_PHASE_FILE_ENV = "WORKER_ENGINE_PHASE_FILE"
 # Where vLLM raises when the KV cache cannot hold one request of max_model_len.
 _KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_cache_memory"})
+# vLLM's log lines (their templates) that say an engine process has loaded the weights: its
+# default loader's, and the GPU model runner's (other loaders log neither; the phase then stays
+# ``load``). The contract check looks for them in vLLM's source.
+WEIGHTS_LOADED_LOGS = frozenset({"Loading weights took %.2f seconds",
+                                 "Model loading took %s GiB memory and %.6f seconds"})
 
 
 def _note_failure(exc: BaseException) -> None:
@@ -308,12 +322,20 @@ def _note_failure(exc: BaseException) -> None:
         json.dump(note, file)
 
 
+def _note_phase(phase: str) -> None:
+    """Write ``phase`` and the time to ENGINE_PHASE_FILE_ENV's file (each start attempt has its own)."""
+    if path := env_value(ENGINE_PHASE_FILE_ENV, os.environ):
+        with suppress(OSError):
+            Path(path).write_text(json.dumps({"phase": phase, "at": time.time()}))
+
+
 def note_engine_failures(*, in_engine_process: bool) -> None:
     """Note the first exception vLLM logs at ERROR in its engine processes ("EngineCore failed to
-    start", with the exception). Through the log record factory: vLLM's own logging config, which
-    each engine process applies again, drops any handler added to its loggers. Installed in the
-    worker's process before the engine starts (a forked engine process inherits it; the worker's own
-    errors are not noted), and in a spawned one at import of the worker's main module."""
+    start", with the exception), and the end of the weights' load. Through the log record factory:
+    vLLM's own logging config, which each engine process applies again, drops any handler added to
+    its loggers. Installed in the worker's process before the engine starts (a forked engine process
+    inherits it; the worker's own records are not noted), and in a spawned one at import of the
+    worker's main module."""
     skip_pid = None if in_engine_process else os.getpid()
     make_record = logging.getLogRecordFactory()
     if getattr(make_record, "notes_engine_failures", False):
@@ -321,9 +343,12 @@ def note_engine_failures(*, in_engine_process: bool) -> None:
 
     def noting(*args, **kwargs) -> logging.LogRecord:
         record = make_record(*args, **kwargs)
-        if (record.levelno >= logging.ERROR and record.exc_info and record.exc_info[1] is not None
-                and record.name.startswith("vllm") and os.getpid() != skip_pid):
+        if not record.name.startswith("vllm") or os.getpid() == skip_pid:
+            return record
+        if record.levelno >= logging.ERROR and record.exc_info and record.exc_info[1] is not None:
             _note_failure(record.exc_info[1])
+        elif record.msg in WEIGHTS_LOADED_LOGS:
+            _note_phase("compile")
         return record
 
     noting.notes_engine_failures = True
@@ -337,6 +362,17 @@ def engine_failure() -> dict | None:
         return json.loads(Path(path).read_text()) if path else None
     except (OSError, ValueError):
         return None
+
+
+def engine_phase() -> tuple[str, float] | None:
+    """The phase the engine's processes noted for this start attempt (``compile``: the weights are
+    loaded), and the seconds since; None before they note one."""
+    path = env_value(ENGINE_PHASE_FILE_ENV, os.environ)
+    try:
+        note = json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):  # none yet, or being written
+        return None
+    return (note["phase"], max(0.0, time.time() - note["at"])) if note else None
 
 
 # Folders of vLLM's cache root whose children are entries, each named by a hash of what it depends

@@ -28,6 +28,7 @@ import inspect
 import os
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -94,6 +95,24 @@ def test_the_engine_calls_the_worker_makes_still_bind():
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"index", "text", "token_ids", "logprobs"} <= fields
     assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
+
+
+def test_the_start_up_watchdog_still_sees_the_weights_load():
+    """The engine processes note that the weights are loaded from vLLM's own log lines
+    (``WEIGHTS_LOADED_LOGS``): this release still logs the default loader's."""
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    sources = [path.read_text() for folder in ("model_executor/model_loader", "v1/worker")
+               for path in (root / folder).rglob("*.py")]
+    assert {text for text in adapter.WEIGHTS_LOADED_LOGS if any(text in source for source in sources)}
+
+
+def test_a_raw_job_in_the_openai_format_knows_the_request_fields():
+    """Raw jobs refuse request parameters at their top level (``engine/sampling``), and the openai
+    format sends ``sampling_params`` as these routes' bodies."""
+    assert {"prompt", "messages", "max_tokens", "temperature", "response_format", "tools",
+            "stream_options"} <= adapter.REQUEST_FIELDS
 
 
 def test_the_scheduler_feed_reads_what_this_release_reports():

@@ -190,6 +190,17 @@ def test_runpod_cancel(runpod_endpoint, endpoint):
 
 # --- RunPod API directly --------------------------------------------------------------------
 
+def test_a_request_parameter_at_the_top_level_is_refused_and_other_keys_are_ignored(endpoint):
+    job_input = {"prompt": "x", "response_format": {"type": "json_object"}}
+    job = endpoint.http.post("/runsync", json={"input": job_input}).json()
+    error = json.loads(job["error"])
+    assert job["status"] == "FAILED" and (error["code"], error["param"]) == (400, "response_format")
+    assert "RAW_JOB_FORMAT=openai" in error["message"]  # the tokens format's sampling_params lacks it
+    job = endpoint.http.post("/runsync", json={"input": {**RAW, "note_for_later": "x"}}).json()
+    assert job["status"] == "COMPLETED" and job["output"][0]["usage"]["output"] == 6
+    assert "input keys 'note_for_later' are not read (ignored)" in endpoint.log()
+
+
 def test_stream_returns_chunks_before_the_job_ends(endpoint):
     job = endpoint.http.post("/run", json={"input": {
         "prompt": "x", "stream": True, "sampling_params": {"max_tokens": 600, "ignore_eos": True}}}).json()

@@ -134,6 +134,12 @@ def unsupported_model(models, tmp_path):
 ENGINE_FAILURES = {
     "bad env value": (lambda models, tmp_path: engine_env(models["tiny-llama"], MAX_MODEL_LEN="abc"),
                       "env MAX_MODEL_LEN='abc'"),
+    "a flag VLLM_EXTRA_ARGS gives that vLLM rejects": (
+        lambda models, tmp_path: engine_env(models["tiny-llama"], VLLM_EXTRA_ARGS="--max-num-seqs 4 --no-such-flag"),
+        "env VLLM_EXTRA_ARGS: unrecognized arguments: --no-such-flag"),
+    "a flag VLLM_EXTRA_ARGS gives that the worker owns": (
+        lambda models, tmp_path: engine_env(models["tiny-llama"], VLLM_EXTRA_ARGS="--port 9000"),
+        "env VLLM_EXTRA_ARGS: --port is the worker's own"),
     "unsupported architecture": (
         lambda models, tmp_path: engine_env(unsupported_model(models, tmp_path)),
         "the model's architecture NoSuchForCausalLM is not one that vLLM 0.32.0 serves"),

@@ -51,9 +51,15 @@ def test_requests_cannot_load_a_lora_adapter_from_a_path(tiny_openai, run_openai
     assert item["error"]["code"] == 404 and item["error"]["param"] == "openai_route"
 
 
-def test_raw_jobs_ignore_a_template_in_the_job(tiny_engine, run_job):
-    """Raw jobs render messages only with the configured template (no job key reaches it)."""
+def test_raw_jobs_refuse_a_template_in_the_job(tiny_engine, run_job):
+    """Raw jobs render messages only with the configured template: a job's own is refused, at the
+    input's top level (a request field out of place) as in ``sampling_params``, and never used."""
     job = {"messages": MESSAGES, "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
-    plain = run_job(tiny_engine, job)
-    with_template = run_job(tiny_engine, {**job, "chat_template": "{{ 'x' * 500 }}"})
-    assert with_template[0]["usage"]["input"] == plain[0]["usage"]["input"]
+    (plain,) = run_job(tiny_engine, job)
+    assert plain["usage"]["input"] > 0
+    template = "{{ 'x' * 500 }}"
+    for with_template, where in (({**job, "chat_template": template}, "chat_template"),
+                                 ({**job, "sampling_params": {**job["sampling_params"], "chat_template": template}},
+                                  "sampling_params.chat_template")):
+        (refused,) = run_job(tiny_engine, with_template)
+        assert (refused["error"]["code"], refused["error"]["param"]) == (400, where)

@@ -20,6 +20,7 @@ Implemented, as huggingface_hub 2.x calls it and with the headers it reads:
   as servers may answer. File bodies go at ``bytes_per_second`` (unthrottled when None), each is
   logged in ``downloads`` (a ``Download`` per GET, filled in as bytes go), and ``interrupt()`` cuts
   those in progress short, as a dropped connection would;
+- ``api_delay``: seconds each answer about a repo waits before it goes, as a slow hub's would;
 - ``GET /api/whoami-v2``: the user a token belongs to (``name``, ``auth.accessToken``), as
   ``HfApi().whoami()`` reads it;
 - tokens: only known ones are valid (``add_token``; a gated repo's token and a private repo's readers
@@ -134,6 +135,8 @@ class LocalHub:
         # Pace of file bodies, read before each chunk: None sends them as fast as possible, 0 holds
         # them (after their headers) until it changes or `interrupt` cuts them.
         self.bytes_per_second: float | None = None
+        # Seconds each answer about a repo (its info or tree) waits before it goes: a slow hub.
+        self.api_delay = 0.0
         self.downloads: list[Download] = []  # appended when a body starts, in order
         self._repos: dict[str, _Repo] = {}
         self._tokens: dict[str, str] = {}  # valid token → its user's name
@@ -294,6 +297,8 @@ class _Handler(BaseHTTPRequestHandler):
         return token.strip()
 
     def _api(self, route: re.Match[str], path: str, query: dict[str, list[str]], with_body: bool) -> None:
+        if self.hub.api_delay and self.hub._wait_unless_cut(self.hub._cuts, self.hub.api_delay):
+            return  # the hub stopped meanwhile
         repo_id, revision = route["repo"], unquote(route["revision"] or "main")
         files, commit = self._files(repo_id, revision)
         if route["kind"] == "tree":

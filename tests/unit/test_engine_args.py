@@ -55,6 +55,12 @@ def resolve(files, **env):
 
 # --- precedence: one test per adjacent pair, highest first -----------------------------------
 
+def test_extra_args_beat_aliases(files):
+    args = resolve(files, MODEL_NAME="alias/model", VLLM_EXTRA_ARGS="--model extra/model")
+    assert args.engine_args.model == "extra/model"
+    assert args.flags["model"].source == "env VLLM_EXTRA_ARGS: --model"
+
+
 def test_alias_beats_env_field(files):
     assert resolve(files, MODEL_NAME="alias/model", MODEL="field/model").engine_args.model == "alias/model"
 

@@ -154,12 +154,14 @@ class SlowEngine:
             self.closed = True
 
 
-@pytest.mark.parametrize(("job_timeout", "job_keys", "limit"), [(None, {"timeout": 0.3}, 0.3),
-                                                                (0.2, {}, 0.2), (5, {"timeout": 0.2}, 0.2)])
-def test_jobs_past_their_timeout_are_aborted(monkeypatch, job_timeout, job_keys, limit):
+@pytest.mark.parametrize(("job_timeout", "job_keys", "limit", "name"), [
+    (None, {"timeout": 0.3}, 0.3, "timeout"), (0.2, {}, 0.2, "JOB_TIMEOUT"),
+    (5, {"timeout": 0.2}, 0.2, "timeout"), (0.2, {"timeout": 5}, 0.2, "JOB_TIMEOUT")])
+def test_jobs_past_their_timeout_are_aborted(monkeypatch, job_timeout, job_keys, limit, name):
+    """The smallest limit set applies (a job's own ``timeout`` cannot exceed JOB_TIMEOUT), and is named."""
     engine = SlowEngine(job_timeout)
     items = run({"id": "j", "input": {"prompt": "x", **job_keys}}, engine, monkeypatch)
-    assert items[-1]["error"]["code"] == 408 and f"{limit:g} s" in items[-1]["error"]["message"]
+    assert items[-1]["error"]["code"] == 408 and f"{limit:g} s ({name})" in items[-1]["error"]["message"]
     assert 2 <= len(items) - 1 <= limit / 0.05 + 2 and engine.closed  # the source was closed
 
 

@@ -58,6 +58,7 @@ def handler_log_level(value: str | None) -> str:
 READ_ELSEWHERE: dict[str, Callable[[], Any]] = {
     "HF_TOKEN": lambda: None,  # huggingface_hub reads it; the config layer keeps it out (RESERVED_ENV)
     "LOG_LEVEL": lambda: handler_log_level(None),  # handler.py sets up logging with it
+    "VLLM_EXTRA_ARGS": lambda: None,  # a command line, the config layer's top layer: none by default
 }
 # Settings the code documents one by one deliberately not offered; they still work.
 NOT_OFFERED = {"MAX_LOG_LEN"}  # debugging; prompts stay out of the logs by default

@@ -13,7 +13,7 @@ from conftest import REPO
 from worker.config import engine_args
 from worker.config.engine_args import known_env_names, resolve_args
 from worker.wire.errors import ConfigError
-from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, MergedRope
+from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, SUBPROCESS_ENV, MergedRope
 from worker.config.settings import WorkerSettings, load_config
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
@@ -35,6 +35,11 @@ NOT_WORKER_ENV = {
                      "LD_LIBRARY_PATH"], "read by huggingface_hub, transformers, ray, torch or vLLM"),
     # the client's side of RunPod's API
     **dict.fromkeys(["RUNPOD_API_KEY", "ENDPOINT_ID", "API_KEY"], "a client's setting"),
+    # RunPod's and its SDK's: the job protocol and the SDK's fitness checks
+    **dict.fromkeys(["RUNPOD_WEBHOOK_GET_JOB", "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "RUNPOD_SKIP_GPU_CHECK",
+                     "RUNPOD_MIN_MEMORY_GB", "RUNPOD_MIN_DISK_PERCENT", "RUNPOD_NETWORK_CHECK_TIMEOUT",
+                     "RUNPOD_MIN_CUDA_VERSION", "RUNPOD_GPU_BENCHMARK_TIMEOUT", "RUNPOD_GPU_TEST_TIMEOUT",
+                     "RUNPOD_DEFER_FITNESS_CHECKS", "RUNPOD_FITNESS_CHECKS_DONE"], "read by the runpod SDK"),
     # worker-vllm's own build and test scaffolding
     **dict.fromkeys(["DOCKER_BUILDKIT", "HUGGINGFACE_ACCESS_TOKEN", "WORKER_CUDA_VERSION",
                      "TESTING_DOWNLOAD", "TENSORIZER_NUM_GPUS"],
@@ -64,7 +69,7 @@ def resolve(**env):
 @pytest.mark.skipif(not REFERENCE.is_dir(), reason="shared/reference is not beside this clone")
 def test_the_name_list_covers_the_reference_docs():
     text = "".join(path.read_text() for path in
-                   (REFERENCE / "worker_vllm_spec.md", *REFERENCE.glob("000_*.txt")))
+                   (REFERENCE / "worker_vllm_spec.md", REFERENCE / "runpod-today.md", *REFERENCE.glob("000_*.txt")))
     assert set(re.findall(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9]\b", text)) <= documented_names()
 
 
@@ -82,6 +87,14 @@ def test_removed_knobs_warn_once_naming_the_replacement(name, caplog):
     assert args.flags.keys() == resolve().flags.keys()  # nothing else changed
     warnings = [r.getMessage() for r in caplog.records if name in r.getMessage()]
     assert len(warnings) == 1 and "ignored: " + REMOVED_ENV[name] in warnings[0]
+
+
+@pytest.mark.parametrize("name", sorted(SUBPROCESS_ENV))
+def test_worker_vllm_subprocess_settings_warn_once_saying_why(name, caplog):
+    args = resolve(**{name: "8000"})
+    assert args.flags.keys() == resolve().flags.keys()
+    warnings = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert warnings == [f"{name} is ignored: {SUBPROCESS_ENV[name]}"]
 
 
 @pytest.mark.parametrize("name", ["DISABLE_LOG_REQUESTS", "DISABLE_LOGGING_REQUEST"])

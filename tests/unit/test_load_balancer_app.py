@@ -56,6 +56,10 @@ async def run_job(job):
     if job_input.get("fail"):
         yield error_response(400, "no good", param="fail")
         return
+    if job_input.get("sse"):  # an OpenAI stream's items: SSE text, the last [DONE]
+        for event in (*(f"data: {{\"i\": {i}}}\n\n" for i in range(job_input["sse"])), "data: [DONE]\n\n"):
+            yield event
+        return
     for i in range(job_input.get("items", 2)):
         yield {"i": i, "input": job_input}
 
@@ -140,10 +144,13 @@ def test_vllm_answers_pass_and_its_validation_errors_take_the_routes_dialect():
     assert json.loads(call(app, "POST", "/v1/tokenize", {})[1]) == {"path": "/tokenize"}  # the /v1 alias
 
 
-@pytest.mark.parametrize(("events", "status", "last"), [(0, 408, None), (50, 200, "error")])
-def test_job_timeout_ends_a_request_with_the_workers_error(events, status, last):
-    """Before the answer started: the 408 itself; once a stream started: an error event ends it."""
-    app = serving_app(JOB_TIMEOUT=0.3)[0]
+@pytest.mark.parametrize(("events", "status", "last", "limits"), [
+    (0, 408, None, {"JOB_TIMEOUT": 0.3}), (50, 200, "error", {"JOB_TIMEOUT": 0.3}),
+    (0, 408, None, {"JOB_TIMEOUT": 5, "REQUEST_TIMEOUT": 0.3})])
+def test_job_timeout_ends_a_request_with_the_workers_error(events, status, last, limits):
+    """Before the answer started: the 408 itself; once a stream started: an error event ends it. The
+    smaller of JOB_TIMEOUT and REQUEST_TIMEOUT applies, and is named."""
+    app = serving_app(**limits)[0]
 
     async def slow_app(scope, receive, send):
         if not events:
@@ -152,7 +159,8 @@ def test_job_timeout_ends_a_request_with_the_workers_error(events, status, last)
 
     app.serving = dataclasses.replace(app.serving, vllm_app=slow_app)
     got_status, text = call(app, "POST", "/v1/chat/completions", {"events": events, "pause": 0.05})
-    assert got_status == status and "ran past its timeout of 0.3 s" in text
+    limit = min(limits, key=limits.get)
+    assert got_status == status and f"ran past its timeout of 0.3 s ({limit})" in text
     if last:
         assert json.loads(sse_events.parse(text)[-1][1])["error"]["code"] == 408
 
@@ -204,6 +212,8 @@ def test_runsync_answers_as_runpods_runsync_and_stream_an_event_per_item():
                                                  "min_batch_size": 1, "batch_size_growth_factor": 1}
     status, text = call(app, "POST", "/stream", {"input": {"fail": True}})
     assert status == 400 and json.loads(text)["error"]["param"] == "fail"
+    status, text = call(app, "POST", "/stream", {"input": {"prompt": "p", "sse": 2}})  # SSE text as it is
+    assert (status, text) == (200, 'data: {"i": 0}\n\ndata: {"i": 1}\n\ndata: [DONE]\n\n')
     for body, fragment in ((b"{nope", "not JSON"), (b"[]", 'expected {"input"')):
         status, text = call(app, "POST", "/runsync", body)
         assert status == 400 and fragment in json.loads(json.loads(text)["error"])["message"]

@@ -66,6 +66,21 @@ def test_a_token_the_hub_refuses(hub, cache, monkeypatch):
     assert str(error).startswith("HF_TOKEN: the hub refused the token") and error.variables == ("HF_TOKEN",)
 
 
+def test_a_hub_slower_than_model_preflight_timeout_is_a_transient_failure_naming_it(hub, cache):
+    hub.add_repo("org/model", RELEASE)
+    hub.api_delay = 5
+    error = failure(RepoRequest("org/model", None, "MODEL_NAME", "MODEL_REVISION", timeout=0.3))
+    assert f"MODEL_NAME='org/model': the hub at {hub.url} did not answer within 0.3 s (MODEL_PREFLIGHT_TIMEOUT)" \
+        == str(error) and error.transient
+
+
+def test_each_step_is_told_with_the_downloads_progress(hub, cache):
+    hub.add_repo("org/model", RELEASE)
+    phases = []
+    prepare(ModelRequest(MODEL), lambda phase, progress=None: phases.append((phase, progress and progress())))
+    assert phases == [("preflight", None), ("download", 0)]
+
+
 def test_a_missing_revision_names_its_variable(hub, cache):
     hub.add_repo("org/model", RELEASE)
     error = failure(RepoRequest("org/model", "v9", "MODEL_NAME", "MODEL_REVISION"))
@@ -145,16 +160,16 @@ def request_for(tmp_path: Path, config: dict | None = None, baked: dict | None =
 def test_model_request_reads_env_over_the_config_file(tmp_path):
     request = request_for(tmp_path, {"model": "org/from-file", "revision": "v2"}, MODEL_NAME="org/from-env")
     assert request == ModelRequest(RepoRequest("org/from-env", "v2", "MODEL_NAME",
-                                               f"revision in {tmp_path}/vllm_config.yaml (VLLM_CONFIG_FILE)"))
+                                               f"revision in {tmp_path}/vllm_config.yaml (VLLM_CONFIG_FILE)", 15))
     assert request_for(tmp_path, {"model": "org/from-file"}).model.variable.startswith("model in ")
 
 
 def test_model_request_has_a_tokenizer_only_for_another_repo_or_revision(tmp_path):
     assert request_for(tmp_path, MODEL_NAME="org/m", TOKENIZER_NAME="org/m").tokenizer is None
     other = request_for(tmp_path, MODEL_NAME="org/m", MODEL_REVISION="v1", TOKENIZER_NAME="org/t").tokenizer
-    assert other == RepoRequest("org/t", None, "TOKENIZER_NAME", "TOKENIZER_REVISION")
-    pinned = request_for(tmp_path, MODEL_NAME="org/m", TOKENIZER_REVISION="v3").tokenizer
-    assert pinned == RepoRequest("org/m", "v3", "MODEL_NAME", "TOKENIZER_REVISION")
+    assert other == RepoRequest("org/t", None, "TOKENIZER_NAME", "TOKENIZER_REVISION", 15)
+    pinned = request_for(tmp_path, MODEL_NAME="org/m", TOKENIZER_REVISION="v3", MODEL_PREFLIGHT_TIMEOUT="4").tokenizer
+    assert pinned == RepoRequest("org/m", "v3", "MODEL_NAME", "TOKENIZER_REVISION", 4)
 
 
 @pytest.mark.parametrize("env", [{"MODEL_NAME": "/models/local"}, {"MODEL_NAME": "./here"},

@@ -107,7 +107,7 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
 
     calls = []
 
-    def prepare(request):
+    def prepare(request, on_phase):
         calls.append(request)
         if len(calls) == 1:
             raise StartupError("download failed: cannot reach the hub", transient=True)
@@ -116,16 +116,16 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
     monkeypatch.setattr(steps, "RETRY_PAUSE_SECONDS", 0)
     monkeypatch.setattr(preflight, "prepare", prepare)
     monkeypatch.setattr("worker.config.settings.model_request", lambda: "org/model")
-    assert steps.fetch_model() == "snapshots" and len(calls) == 2
+    assert steps.fetch_model(print) == "snapshots" and len(calls) == 2
     assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub" in caplog.text
 
-    def gone(request):
+    def gone(request, on_phase):
         calls.append(request)
         raise StartupError("MODEL_NAME='org/model': no such repo", variables=("MODEL_NAME",))
 
     monkeypatch.setattr(preflight, "prepare", gone)
     with pytest.raises(StartupError, match="no such repo"):
-        steps.fetch_model()
+        steps.fetch_model(print)
     assert len(calls) == 3
 
 

@@ -5,7 +5,8 @@ parser reads (a ``Setting``, which remembers where it came from), and each is pa
 bad value is reported with the variable that set it. No list of flags to read is kept: names, types
 and choices come from ``make_arg_parser`` (through the adapter), so a vLLM upgrade brings its new
 flags along; only the front-end flags of an HTTP server the worker does not run are left out
-(``SERVER_ONLY``).
+(``SERVER_ONLY``). A whole `vllm serve` command line (VLLM_EXTRA_ARGS) is parsed by the same parser
+and split into one ``Setting`` per flag (``EnvParser.command_line``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +24,9 @@ from typing import Any
 from worker.env_text import parse_bool
 from worker.vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
 
-__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",
+log = logging.getLogger(__name__)
+
+__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "OWNED", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",
            "ZERO_MEANS_UNSET", "EnvParser", "Setting", "env_parser", "unclassified_frontend_flags"]
 
 ENV_ALIASES: Mapping[str, str] = {
@@ -61,6 +66,19 @@ SERVER_ONLY: Mapping[str, str] = {
     "tokens_only": "a disaggregated deployment's tokens-only server, without the tokenizer the "
                    "worker's raw jobs need",
 }
+
+# Flags of the server's socket and authentication, which the worker owns, with the reason: given on
+# a command line (VLLM_EXTRA_ARGS) they stop the start rather than be ignored, since the caller meant
+# to change how the worker is reached (the other SERVER_ONLY flags are ignored with a warning there).
+_IN_PROCESS = ("the worker has no HTTP server of vLLM's: jobs reach vLLM's app in-process (a "
+               "load-balancing worker listens on PORT)")
+OWNED: Mapping[str, str] = {
+    **dict.fromkeys(["host", "port", "uds", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
+                     "ssl_ciphers", "enable_ssl_refresh"], _IN_PROCESS),
+    "api_key": "RunPod authenticates callers with the endpoint's API key; the worker checks no key itself",
+}
+# `vllm serve`'s own flags beyond the engine's and the front end's: how it runs its processes.
+_SERVE_ONLY = {"api_server_count": _PROCESSES, "headless": _PROCESSES, "grpc": _PROCESSES}
 
 # FrontendArgs fields reviewed and read. Reading is derived (a field not in SERVER_ONLY is read);
 # this list only lets ``unclassified_frontend_flags`` report a field nobody has reviewed, so that
@@ -229,6 +247,68 @@ class EnvParser:
             if getattr(namespace, dest, None) == 0:
                 setattr(namespace, dest, None)
         return namespace
+
+    def command_line(self, text: str, variable: str, errors: list[str]) -> dict[str, Setting]:
+        """Settings from a `vllm serve` command line (``variable``'s ``text``), split as a shell splits
+        it and parsed by vLLM's parser as `vllm serve` parses it (``--flag=value``, ``-O3``, dotted
+        config keys; a repeated flag's last value wins). A flag vLLM rejects, one the worker owns
+        (``OWNED``) or a bare argument is an error; one of an HTTP server the worker does not run is
+        ignored with a warning."""
+        try:
+            argv = shlex.split(text)
+            if help_flag := next((a for a in argv if a in ("-h", "--help") or a.startswith("--help=")), None):
+                raise ValueError(f"{help_flag} prints `vllm serve`'s help: it is not a setting")
+            given, namespace = self._parse_recording(argv)
+        except (argparse.ArgumentError, ValueError, TypeError) as exc:
+            errors.append(f"env {variable}: {exc}")
+            return {}
+        out: dict[str, Setting] = {}
+        for dest, (action, strings) in given.items():
+            flag = action.option_strings[0] if action.option_strings else None
+            if flag is None:
+                errors.append(f"env {variable}: {strings[0]!r} is not a flag (name the model with --model)")
+            elif dest in OWNED:
+                errors.append(f"env {variable}: {flag} is the worker's own: {OWNED[dest]}")
+            elif reason := SERVER_ONLY.get(dest) or _SERVE_ONLY.get(dest):
+                log.warning("%s: %s ignored: %s", variable, flag, reason)
+            elif dest != "config":  # its file's flags are given already, each as itself
+                value = getattr(namespace, dest)
+                shown = value if action.nargs == 0 else strings[0] if len(strings) == 1 else strings
+                tokens = _given_tokens(action, strings, value)
+                out[dest] = Setting(dest, tokens, f"env {variable}: {flag}", shown)
+        return out
+
+    def _parse_recording(self, argv: list[str]) -> tuple[dict[str, tuple[argparse.Action, list[str]]],
+                                                         argparse.Namespace]:
+        """``argv`` parsed, with each given action's argument strings as vLLM's parser passed them on
+        (after its own rewriting); an append action's strings from every occurrence."""
+        given: dict[str, tuple[argparse.Action, list[str]]] = {}
+        parse_values = self.cli._get_values
+
+        def recording(action: argparse.Action, strings: list[str]) -> Any:
+            if action.option_strings or strings:  # a positional is offered every time, given or not
+                earlier = given[action.dest][1] if isinstance(action, argparse._AppendAction) and \
+                    action.dest in given else []
+                given[action.dest] = (action, [*earlier, *strings])
+            return parse_values(action, strings)
+
+        self.cli._get_values = recording  # argparse's one funnel of a flag's argument strings
+        try:
+            namespace = self.cli.parse_args(argv, namespace=argparse.Namespace())
+        finally:
+            del self.cli._get_values
+        return given, namespace
+
+
+def _given_tokens(action: argparse.Action, strings: list[str], value: Any) -> tuple[str, ...]:
+    """One flag's tokens, as given on a command line: a switch as its value says (``--no-x``)."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:
+        negative = isinstance(action, argparse.BooleanOptionalAction) and not value
+        return ("--no-" + flag[2:],) if negative else (flag,)
+    if isinstance(action, argparse._AppendAction):
+        return _list_tokens(action, strings)
+    return (flag, *strings)
 
 
 @functools.cache

@@ -2,6 +2,8 @@
 
 Precedence, highest first (each layer is one function returning ``{dest: Setting}``):
 
+0. command line      ``VLLM_EXTRA_ARGS``: raw `vllm serve` flags, split as a shell line (worker-vllm's),
+                     the HTTP server's own refused or ignored (``EnvParser.command_line``)
 1. env aliases       ``MODEL_NAME``→model, ``MODEL_REVISION``→revision, ``TOKENIZER_NAME``→tokenizer,
                      ``CUSTOM_CHAT_TEMPLATE``→chat_template, ``OPENAI_RESPONSE_ROLE``→response_role,
                      ``LORA_MODULES``→lora_modules
@@ -171,7 +173,7 @@ def known_env_names() -> frozenset[str]:
     """Every env var name this module reads."""
     return frozenset({d.upper() for d in env_parser().env_dests} | set(ENV_ALIASES)
                      | LEGACY_ENV
-                     | {"VLLM_CONFIG_FILE", baked_args.ARGS_FILE_ENV})
+                     | {"VLLM_CONFIG_FILE", settings.EXTRA_ARGS_ENV, baked_args.ARGS_FILE_ENV})
 
 
 def _worker_defaults_layer(parser: EnvParser, errors: list[str]) -> dict[str, Setting]:
@@ -216,6 +218,11 @@ def _env_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -> 
         if given is not None and (dest := parser.dest_for_env(name)) is not None:
             parser.add(out, dest, given[0], given[1], errors)
     return out
+
+
+def _command_line_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
+    text = env_value(settings.EXTRA_ARGS_ENV, env)
+    return {} if text is None else parser.command_line(text, settings.EXTRA_ARGS_ENV, errors)
 
 
 def _lora_modules_text(text: str) -> str:
@@ -267,7 +274,8 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     baked = baked_args.baked_layer(parser, baked_file, baked_args_file, errors)
     layers = [_worker_defaults_layer(parser, errors), baked,
               _config_file_layer(parser, config_file, errors),
-              _env_layer(parser, env, errors), _alias_layer(parser, env, errors)]
+              _env_layer(parser, env, errors), _alias_layer(parser, env, errors),
+              _command_line_layer(parser, env, errors)]
     merged = {dest: s for layer in layers for dest, s in layer.items()}
     served_repo = baked_args.use_baked_copies(merged, baked, baked_file)
     if "model" in baked and merged.get("model") is not baked["model"]:

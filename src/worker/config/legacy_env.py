@@ -11,7 +11,9 @@ source it is reported under, so the engine-args layer parses them like any other
   dict-valued override whole: ``ROPE_THETA`` alone would drop the model's ``rope_type``); the
   ``SPECULATIVE_*`` family → ``SPECULATIVE_CONFIG``, with worker-vllm's meaning;
   ``LIMIT_MM_PER_PROMPT=image=2,video=1`` → vLLM's JSON;
-- removed: one warning naming what to use instead, then ignored.
+- removed: one warning naming what to use instead, then ignored;
+- worker-vllm >= 2.24's settings of its ``vllm serve`` subprocess, which an in-process engine does not
+  have (``SUBPROCESS_ENV``): one warning naming each and why.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from worker.env_text import env_value, parse_bool
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LEGACY_ENV", "MergedRope", "merge_rope", "translate"]
+__all__ = ["LEGACY_ENV", "SUBPROCESS_ENV", "MergedRope", "merge_rope", "translate"]
 
 REMOVED_ENV: Mapping[str, str] = {
     "SWAP_SPACE": "vLLM V1 preempts by recomputation",
@@ -55,6 +57,17 @@ REMOVED_ENV: Mapping[str, str] = {
     "MAX_CONTEXT_LEN_TO_CAPTURE": "use COMPILATION_CONFIG (cudagraph capture sizes)",
     "TRANSFORMERS_VERSION": "transformers is fixed when the image is built; build an image "
                             "(FROM this one) that installs the version you need",
+}
+
+
+# worker-vllm >= 2.24 runs `vllm serve` as a subprocess and proxies jobs to it over HTTP; these
+# place that server. (Its other variables are honoured: settings, engine_args, model/preflight.)
+SUBPROCESS_ENV: Mapping[str, str] = {
+    "VLLM_PORT": "it placed worker-vllm's `vllm serve` subprocess, and this worker runs vLLM in-process, "
+                 "with no HTTP server of its own (a load-balancing worker listens on PORT); vLLM still reads "
+                 "it as the first port of its internal connections",
+    "VLLM_BASE_URL": "it pointed worker-vllm's proxy at its `vllm serve` subprocess, and this worker calls "
+                     "vLLM's routes in-process",
 }
 
 
@@ -93,7 +106,7 @@ _SPECULATION_SOURCES = ("method", "model", "prompt_lookup_max")
 
 ROPE_ENV = ("ROPE_SCALING", "ROPE_THETA")
 
-LEGACY_ENV = frozenset({*REMOVED_ENV, *RENAMED_ENV, *SPECULATIVE_ENV, *ROPE_ENV})
+LEGACY_ENV = frozenset({*REMOVED_ENV, *RENAMED_ENV, *SPECULATIVE_ENV, *ROPE_ENV, *SUBPROCESS_ENV})
 
 # vLLM env name → (text, source), or None for a value already reported as an error.
 Texts = dict[str, tuple[str, str] | None]
@@ -222,4 +235,7 @@ def translate(env: Mapping[str, str], errors: list[str]) -> Texts:
     for name, reason in REMOVED_ENV.items():
         if env_value(name, env) is not None:
             log.warning("%s is not supported by this vLLM version and is ignored: %s", name, reason)
+    for name, reason in SUBPROCESS_ENV.items():
+        if env_value(name, env) is not None:
+            log.warning("%s is ignored: %s", name, reason)
     return _renamed(env) | _speculative(env, errors) | _rope(env, errors) | _limit_mm(env, errors)

@@ -9,9 +9,10 @@ the environment (each value through ``env_text.env_value``: blank means unset).
   reads worker-vllm's old names through ``config/legacy_env`` and the baked-args file through
   ``model/baked_args``).
 
-Three readers run before vLLM is imported (this module imports it only in ``load_config``):
+Four readers run before vLLM is imported (this module imports it only in ``load_config``):
 ``model_request(env)``, the hub repos to check and download (``model/preflight``),
-``failure_answer_seconds(env)``, how long a worker that could not start answers jobs, and
+``failure_answer_seconds(env)``, how long a worker that could not start answers jobs,
+``startup_timeout(env)``, how long the start may take (``startup/watchdog``), and
 ``endpoint_kind(env)``, whether the worker takes jobs from RunPod's queue or serves HTTP on a
 load-balancing endpoint (which must answer ``/ping`` from the start).
 
@@ -23,9 +24,10 @@ Outside this layer the environment is touched on purpose in these places only:
 - ``handler``: reads LOG_LEVEL (logging must work before the configuration can fail), and loads
   ``./.env`` into the environment (``load_dotenv``, for local development; never overriding);
 - ``model/download_model``: reads the Dockerfile's build args (at build time, without vLLM);
-- ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``), the file where
-  vLLM's processes note why they failed, which ``vllm_adapter`` reads (``_note_failure`` in each
-  engine process, ``engine_failure`` in the worker's);
+- ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``) and
+  WORKER_ENGINE_PHASE_FILE (``ENGINE_PHASE_FILE_ENV``), the files where vLLM's processes note why they
+  failed and that the weights are loaded, which ``vllm_adapter`` reads (``_note_failure`` and
+  ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
 - ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
   the engine's processes, which inherit them, unless the user set them (``_users_own``).
 - ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
@@ -40,6 +42,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,12 +63,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EndpointKind", "WorkerConfig", "WorkerSettings", "config_file", "endpoint_kind",
-           "failure_answer_seconds", "load_config", "load_settings", "model_request"]
+__all__ = ["EXTRA_ARGS_ENV", "EndpointKind", "WorkerConfig", "WorkerSettings", "config_file", "endpoint_kind",
+           "failure_answer_seconds", "load_config", "load_settings", "model_request", "startup_timeout"]
 
 
 FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
 DEFAULT_FAILURE_ANSWER_SECONDS = 120.0
+STARTUP_TIMEOUT_ENV = "VLLM_STARTUP_TIMEOUT"
+DEFAULT_STARTUP_TIMEOUT = 1200.0  # worker-vllm's
+# Raw `vllm serve` flags, applied above every other layer (config/engine_args).
+EXTRA_ARGS_ENV = "VLLM_EXTRA_ARGS"
 
 
 def _env(*names: str):
@@ -91,10 +98,22 @@ class WorkerSettings(BaseModel):
         3.0, ge=1, allow_inf_nan=False,
         validation_alias=_env("BATCH_SIZE_GROWTH_FACTOR", "DEFAULT_BATCH_SIZE_GROWTH_FACTOR"))
     raw_openai_output: bool = Field(True, validation_alias=_env("RAW_OPENAI_OUTPUT"))
+    # Raw prompt/messages jobs: "tokens" (the seed's {"choices": [{"tokens": ...}]}) or "openai"
+    # (worker-vllm >= 2.24's: through /v1/completions or /v1/chat/completions, routes/raw_format).
+    raw_job_format: Literal["tokens", "openai"] = Field("tokens", validation_alias=_env("RAW_JOB_FORMAT"))
     openai_served_model_name_override: str | None = Field(
         None, validation_alias=_env("OPENAI_SERVED_MODEL_NAME_OVERRIDE"))
     job_timeout: float | None = Field(None, gt=0, allow_inf_nan=False,
                                       validation_alias=_env("JOB_TIMEOUT"))
+    # worker-vllm's bound on one request (0: none); the smallest limit set wins (``timeout_for``).
+    request_timeout: float = Field(3600.0, ge=0, allow_inf_nan=False,
+                                   validation_alias=_env("REQUEST_TIMEOUT"))
+    # From the worker's start to ready (0: no limit), download progress not counted (startup/watchdog).
+    vllm_startup_timeout: float = Field(DEFAULT_STARTUP_TIMEOUT, ge=0, allow_inf_nan=False,
+                                        validation_alias=_env(STARTUP_TIMEOUT_ENV))
+    # Seconds for the hub's answer about the model (model/preflight), as worker-vllm's preflight waits.
+    model_preflight_timeout: float = Field(15.0, gt=0, allow_inf_nan=False,
+                                           validation_alias=_env("MODEL_PREFLIGHT_TIMEOUT"))
     # After SIGTERM, jobs in flight may run this long before they are aborted and reported.
     shutdown_grace_period: float = Field(25.0, ge=0, allow_inf_nan=False,
                                          validation_alias=_env("SHUTDOWN_GRACE_PERIOD"))
@@ -139,6 +158,14 @@ class WorkerSettings(BaseModel):
     def env_names(cls) -> frozenset[str]:
         return frozenset(name for f in cls.model_fields.values()
                          for name in f.validation_alias.choices)
+
+    def timeout_for(self, job_timeout: float | None = None) -> tuple[float | None, str]:
+        """The limit on one job or request: the smallest set among its own ``timeout``, JOB_TIMEOUT
+        and REQUEST_TIMEOUT, and its name (None: no limit)."""
+        given = ((job_timeout, "timeout"), (self.job_timeout, "JOB_TIMEOUT"),
+                 (self.request_timeout, "REQUEST_TIMEOUT"))
+        limits = [(seconds, name) for seconds, name in given if seconds]
+        return min(limits, key=lambda limit: limit[0], default=(None, ""))
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
@@ -263,16 +290,24 @@ def load_config(env: Mapping[str, str] | None = None,
                         _adapter_sources(settings, args, served_names, env))
 
 
-def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
-    """STARTUP_FAILURE_ANSWER_SECONDS alone, read before (and whatever) the rest of the
+def _early(name: str, env: Mapping[str, str] | None) -> WorkerSettings:
+    """The settings with variable ``name`` alone read, before (and whatever) the rest of the
     configuration fails; its own bad value is reported with the rest and the default used."""
-    env = os.environ if env is None else env
-    value = env_value(FAILURE_ANSWER_ENV, env)
+    value = env_value(name, os.environ if env is None else env)
     try:
-        return WorkerSettings.model_validate(
-            {} if value is None else {FAILURE_ANSWER_ENV: value}).startup_failure_answer_seconds
+        return WorkerSettings.model_validate({} if value is None else {name: value})
     except ValidationError:
-        return DEFAULT_FAILURE_ANSWER_SECONDS
+        return WorkerSettings()
+
+
+def failure_answer_seconds(env: Mapping[str, str] | None = None) -> float:
+    """STARTUP_FAILURE_ANSWER_SECONDS, read early (``_early``)."""
+    return _early(FAILURE_ANSWER_ENV, env).startup_failure_answer_seconds
+
+
+def startup_timeout(env: Mapping[str, str] | None = None) -> float:
+    """VLLM_STARTUP_TIMEOUT, read early (``_early``): the watchdog starts with the process."""
+    return _early(STARTUP_TIMEOUT_ENV, env).vllm_startup_timeout
 
 
 @dataclass(frozen=True)
@@ -316,10 +351,28 @@ def _config_file_keys(env: Mapping[str, str]) -> dict[str, str]:
     return {str(k).replace("-", "_"): str(v) for k, v in config.items() if v not in (None, "")}
 
 
+def _extra_arg(env: Mapping[str, str], key: str) -> str | None:
+    """The value VLLM_EXTRA_ARGS gives the flag of ``key`` (``--key value`` or ``--key=value``, the last
+    one winning), read without vLLM's parser, for the repos preflight fetches; a line that does not
+    split is reported by ``load_config``."""
+    try:
+        tokens = shlex.split(env_value(EXTRA_ARGS_ENV, env) or "")
+    except ValueError:
+        return None
+    flag, found = "--" + key.replace("_", "-"), None
+    for at, token in enumerate(tokens):
+        name, equals, value = token.partition("=")
+        if name.replace("_", "-") == flag:
+            found = value if equals else next(iter(tokens[at + 1:at + 2]), None)
+    return found
+
+
 def _first(env: Mapping[str, str], file: dict[str, str], names: tuple[str, ...],
            key: str) -> tuple[str | None, str]:
-    """The first value set among env ``names`` then the config file's ``key``, and its name (the
-    first env name when none is set: where a user would set it)."""
+    """The first value set among VLLM_EXTRA_ARGS's flag, env ``names``, then the config file's
+    ``key``, and its name (the first env name when none is set: where a user would set it)."""
+    if (value := _extra_arg(env, key)) is not None:
+        return value, f"{EXTRA_ARGS_ENV} --{key.replace('_', '-')}"
     for name in names:
         if (value := env_value(name, env)) is not None:
             return value, name
@@ -335,9 +388,9 @@ def _is_repo_id(name: str) -> bool:
 
 def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
     """The hub repos the configuration serves, for ``preflight`` to check and fetch before vLLM is
-    imported: read from the same layers as ``load_config`` (env alias, env, config file; the
-    baked file's copy when it names the same repo). None when there is none to fetch: a local folder,
-    the baked copy, or no model configured (``load_config`` then says so)."""
+    imported: read from the same layers as ``load_config`` (VLLM_EXTRA_ARGS, env alias, env, config
+    file; the baked file's copy when it names the same repo). None when there is none to fetch: a
+    local folder, the baked copy, or no model configured (``load_config`` then says so)."""
     env = os.environ if env is None else env
     file = _config_file_keys(env)
     baked = baked_args.read(baked_args.args_file(env), [])
@@ -345,7 +398,8 @@ def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
     if model is None or not _is_repo_id(model) or model == baked.get(baked_args.BAKED_SOURCE_KEYS["model"]):
         return None
     revision, revision_var = _first(env, file, ("MODEL_REVISION", "REVISION"), "revision")
-    request = RepoRequest(model, revision, model_var, revision_var)
+    timeout = _validated(env, ("MODEL_PREFLIGHT_TIMEOUT",)).model_preflight_timeout
+    request = RepoRequest(model, revision, model_var, revision_var, timeout)
     tokenizer, tokenizer_var = _first(env, file, ("TOKENIZER_NAME", "TOKENIZER"), "tokenizer")
     tokenizer_revision, tokenizer_revision_var = _first(env, file, ("TOKENIZER_REVISION",),
                                                         "tokenizer_revision")
@@ -357,4 +411,4 @@ def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
         return ModelRequest(request)
     # Another repo's tokenizer: its own default branch unless TOKENIZER_REVISION names one.
     return ModelRequest(request, RepoRequest(tokenizer, tokenizer_revision, tokenizer_var,
-                                             tokenizer_revision_var))
+                                             tokenizer_revision_var, timeout))

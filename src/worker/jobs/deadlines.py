@@ -34,8 +34,9 @@ class DeadlinePassed(Exception):
 
 
 def deadline_error(what: str, passed: DeadlinePassed, timeout: float | None, grace_period: float,
-                   anthropic: bool) -> ErrorPayload:
-    """The error a job (``what``: "Job <id>") or request cut short by ``passed`` ends with."""
+                   anthropic: bool, limit: str = "timeout") -> ErrorPayload:
+    """The error a job (``what``: "Job <id>") or request cut short by ``passed`` ends with; ``limit``
+    names the setting that gave ``timeout`` (``WorkerSettings.timeout_for``)."""
     noun = "job" if what.startswith("Job") else "request"
     if passed.shutdown:
         log.warning("%s still running at the end of the shutdown grace period; aborted", what)
@@ -43,9 +44,9 @@ def deadline_error(what: str, passed: DeadlinePassed, timeout: float | None, gra
             HTTPStatus.SERVICE_UNAVAILABLE,
             f"the worker is shutting down and the {noun} did not finish within the {grace_period:g} s "
             "grace period (SHUTDOWN_GRACE_PERIOD); it was aborted", anthropic=anthropic)
-    log.warning("%s ran past its %s s timeout; aborted", what, timeout)
+    log.warning("%s ran past its %s s timeout (%s); aborted", what, timeout, limit)
     return error_response(HTTPStatus.REQUEST_TIMEOUT,
-                          f"the {noun} ran past its timeout of {timeout:g} s and was aborted",
+                          f"the {noun} ran past its timeout of {timeout:g} s ({limit}) and was aborted",
                           param="timeout", anthropic=anthropic)
 
 

@@ -2,7 +2,8 @@
 
 Raw jobs carry ``prompt`` or ``messages`` plus ``sampling_params`` and stream batching knobs;
 OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body), or, as worker-vllm
-2.24 and later, ``route``, ``body`` and ``method``. Unknown keys are ignored, as worker-vllm did.
+2.24 and later, ``route``, ``body`` and ``method``. Other keys are kept as ``unread_keys``: the
+handler refuses a request parameter among them and warns about the rest (``engine/sampling``).
 Plain data: no vLLM here.
 """
 
@@ -28,7 +29,7 @@ __all__ = ["JobInput"]
 
 
 class JobInput(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(frozen=True, extra="allow")
 
     prompt: str | list[dict[str, Any]] | None = None  # a message list here is chat, as worker-vllm read it
     messages: list[dict[str, Any]] | None = None
@@ -75,6 +76,11 @@ class JobInput(BaseModel):
     @property
     def request_id(self) -> str:
         return self._request_id
+
+    @property
+    def unread_keys(self) -> list[str]:
+        """The input's keys no field reads."""
+        return sorted(self.model_extra or {})
 
     @property
     def llm_input(self) -> str | list[dict[str, Any]] | None:

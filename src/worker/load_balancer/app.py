@@ -15,14 +15,16 @@ RunPod's balancer sends each request, with the caller's path, straight to a work
   ``openai_route``), answered as RunPod's /runsync answers: ``{"id", "status": "COMPLETED",
   "output": [items]}``, or ``"status": "FAILED"`` with the job's error text and the error's status;
 - ``POST /stream``: the same input, its items as server-sent events as the engine produces them
-  (``data: <item>``, and ``data: [DONE]`` at the end): stream batching saves posts to RunPod's queue,
-  which this path does not make, so its knobs are ignored;
+  (``data: <item>``, and ``data: [DONE]`` at the end; an item that is SSE text, an OpenAI stream's,
+  as it is): stream batching saves posts to RunPod's queue, which this path does not make, so its
+  knobs are ignored;
 - anything else: a 404 naming the routes served (or, for the queue's ``/run``, ``/status``, ...,
   saying that there is no queue).
 
-Every request but ``/ping`` runs within the job deadlines (``jobs/deadlines``): JOB_TIMEOUT (raw
-jobs: also their ``timeout``) and the grace period after SIGTERM, after which it ends with the
-worker's 408 or 503 error, as an error event when its stream has started.
+Every request but ``/ping`` runs within the job deadlines (``jobs/deadlines``): the smaller of
+JOB_TIMEOUT and REQUEST_TIMEOUT (raw jobs: also their ``timeout``) and the grace period after
+SIGTERM, after which it ends with the worker's 408 or 503 error, as an error event when its stream
+has started.
 """
 
 from __future__ import annotations
@@ -273,13 +275,14 @@ class WorkerApp:
         if (vllm_path := serving.routes.vllm_path(path)) != path:
             scope = {**scope, "path": vllm_path, "raw_path": vllm_path.encode()}
         route = serving.routes.find(path)
-        reply, timeout = _Reply(send, route), serving.settings.job_timeout
+        reply, (timeout, limit) = _Reply(send, route), serving.settings.timeout_for()
         try:
             async with serving.deadlines.scope(timeout):
                 await serving.vllm_app(scope, receive, reply.send)
         except DeadlinePassed as passed:
-            await reply.end_with(deadline_error(f"Request {scope['method']} {path}", passed, timeout,
-                                                serving.settings.shutdown_grace_period, route.anthropic))
+            grace = serving.settings.shutdown_grace_period
+            await reply.end_with(deadline_error(f"Request {scope['method']} {path}", passed, timeout, grace,
+                                                route.anthropic, limit))
         if reply.status >= HTTPStatus.INTERNAL_SERVER_ERROR and serving.is_dead():
             serving.on_death()
 
@@ -317,16 +320,19 @@ class WorkerApp:
             "output": output})
 
     async def _stream(self, items: AsyncIterator[Any], send: Callable) -> None:
-        """Events from the first item on; an error before it is the answer's status."""
+        """Events from the first item on; an error before it is the answer's status. An item that is
+        SSE text (an OpenAI stream's, ``data: [DONE]`` included) goes as it is, anything else as one
+        event of its JSON."""
         first = await anext(items, None)
         if isinstance(first, ErrorPayload):
             return await _send_json(send, _status_of(first), first)
         await send({"type": "http.response.start", "status": HTTPStatus.OK,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
-        if first is not None:
-            await send({"type": "http.response.body", "body": frame(first).encode(), "more_body": True})
-            async for item in items:
-                await send({"type": "http.response.body", "body": frame(item).encode(), "more_body": True})
-                if isinstance(item, ErrorPayload):
-                    break
-        await send({"type": "http.response.body", "body": f"data: {DONE}\n\n".encode()})
+        last = ""
+        item = first
+        while item is not None:
+            last = item if isinstance(item, str) else frame(item)
+            await send({"type": "http.response.body", "body": last.encode(), "more_body": True})
+            item = None if isinstance(item, ErrorPayload) else await anext(items, None)
+        done = f"data: {DONE}\n\n"
+        await send({"type": "http.response.body", "body": b"" if last.endswith(done) else done.encode()})

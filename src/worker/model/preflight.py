@@ -5,17 +5,18 @@ is answered in seconds, naming the variable to change.
 For a repo id (not a local folder, not the image's baked copy) ``prepare`` makes, per repo (the
 model, and the tokenizer when it comes from another repo or revision):
 
-1. one ``model_info`` call: the repo exists at the revision, the token may read it (a gated repo and
-   a private or missing one are told apart; a refused token is checked with ``whoami``), and the
-   file list with sizes;
+1. one ``model_info`` call (bounded by MODEL_PREFLIGHT_TIMEOUT): the repo exists at the revision,
+   the token may read it (a gated repo and a private or missing one are told apart; a refused token
+   is checked with ``whoami``), and the file list with sizes;
 2. the file choice of a baked image (``download_model.select_files``: configs, tokenizer files, one
    weight format) and a free-space check on the cache's disk (the network volume, ``BASE_PATH``),
    counting what is already there;
 3. ``snapshot_download`` into the Hugging Face cache (``HF_HOME``; on the volume in the image),
-   logging its progress. huggingface_hub locks each file while it downloads it, so workers of one
-   endpoint starting together download each file once and wait for each other. A file that a
-   killed worker left half-downloaded is resumed where it stopped (``_resume``: huggingface_hub 2.x
-   gives each download a file of its own and starts a later one from zero).
+   logging its progress, which the start-up watchdog reads too (``on_phase``). huggingface_hub
+   locks each file while it downloads it, so workers of one endpoint starting together download
+   each file once and wait for each other. A file that a killed worker left half-downloaded is
+   resumed where it stopped (``_resume``: huggingface_hub 2.x gives each download a file of its own
+   and starts a later one from zero).
 
 With ``HF_HUB_OFFLINE=1`` the repos are taken from the cache, without the hub. vLLM is then given
 the local snapshots, so it needs no hub either and serves exactly the revision checked here.
@@ -31,7 +32,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,14 @@ __all__ = ["Fetched", "ModelRequest", "prepare"]
 PROGRESS_SECONDS = 5.0  # a download logs its progress this often
 GB = 1e9
 
+# Told of each step: ("preflight") before a repo's checks, ("download", bytes so far) before its
+# download (``startup/watchdog.Watchdog.enter``).
+OnPhase = Callable[..., None]
+
+
+def _no_phases(*_: object) -> None:
+    return None
+
 
 @dataclass(frozen=True)
 class RepoRequest:
@@ -68,6 +77,7 @@ class RepoRequest:
     revision: str | None
     variable: str
     revision_variable: str
+    timeout: float | None = None  # seconds for the hub's answer to the checks (MODEL_PREFLIGHT_TIMEOUT)
 
 
 @dataclass(frozen=True)
@@ -108,19 +118,21 @@ class _Plan:
                 yield name, folder / "blobs" / self.blobs[name]
 
 
-def prepare(request: ModelRequest) -> tuple[Fetched, Fetched | None]:
+def prepare(request: ModelRequest, on_phase: OnPhase = _no_phases) -> tuple[Fetched, Fetched | None]:
     """Check and download the model (and another tokenizer repo): their local snapshots."""
-    model = _fetch(request.model, weights=True)
-    tokenizer = _fetch(request.tokenizer, weights=False) if request.tokenizer else None
+    model = _fetch(request.model, on_phase, weights=True)
+    tokenizer = _fetch(request.tokenizer, on_phase, weights=False) if request.tokenizer else None
     return model, tokenizer
 
 
-def _fetch(request: RepoRequest, *, weights: bool) -> Fetched:
+def _fetch(request: RepoRequest, on_phase: OnPhase, *, weights: bool) -> Fetched:
     cache = Path(constants.HF_HUB_CACHE)
     if constants.HF_HUB_OFFLINE:
         return _from_cache(request, cache, weights=weights)
+    on_phase("preflight")
     plan = _plan(request, weights=weights)
     _check_space(request, plan, cache)
+    on_phase("download", lambda: _have(_repo_folder(cache, request.repo), plan))
     return _download(request, plan, cache)
 
 
@@ -152,7 +164,12 @@ def _named(request: RepoRequest) -> str:
 
 def _plan(request: RepoRequest, *, weights: bool) -> _Plan:
     with _explained(request):
-        info = HfApi().model_info(request.repo, revision=request.revision, files_metadata=True)
+        try:
+            info = HfApi().model_info(request.repo, revision=request.revision, files_metadata=True,
+                                      timeout=request.timeout)
+        except httpx2.TimeoutException:
+            raise StartupError(f"{_named(request)}: the hub at {constants.ENDPOINT} did not answer within "
+                               f"{request.timeout:g} s (MODEL_PREFLIGHT_TIMEOUT)", transient=True) from None
     siblings = {s.rfilename: s for s in info.siblings or ()}
     try:
         files = select_files(siblings, weights=weights)

@@ -13,6 +13,10 @@ Outputs:
   events vLLM sends before any output ride with the first token);
   with ``RAW_OPENAI_OUTPUT`` on, each batch is the events' text joined, ``[DONE]`` included;
   off, a list of the events' JSON objects, without ``[DONE]``.
+
+Raw jobs in worker-vllm 2.24's format (``RAW_JOB_FORMAT=openai``) are served here too, as the
+requests ``routes/raw_format`` makes of them: their streams are always SSE text, one event per item
+unless stream batching is set.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from worker.jobs.batching import Batches, BatchSize, job_batch_size
 from worker.jobs.job_input import JobInput
 from worker.routes.asgi_client import Response, request
 from worker.routes.forms import form_body
+from worker.routes.raw_format import raw_request
 from worker.routes.route_table import DENIED, Route, RouteTable
 from worker.vllm_adapter import build_openai_app
 from worker.wire.body_envelope import Envelope, is_json
@@ -125,8 +130,14 @@ class OpenAIvLLMEngine(FromParts):
         return names[0] if names else self.namespace.model
 
     async def generate(self, job: JobInput) -> AsyncIterator[Any]:
-        """Items for one OpenAI-route job; callable from any event loop."""
-        async for item in self.engine.loop.stream(self._generate(job)):
+        """Items for one OpenAI-route job, or a raw job in worker-vllm 2.24's format (one without a
+        route); callable from any event loop."""
+        if job.openai_route is not None:
+            items = self._generate(job)
+        else:
+            raw = raw_request(job, self.served_model_name, self.settings)
+            items = self._generate(raw.job, per_event=raw.per_event, text=True)
+        async for item in self.engine.loop.stream(items):
             yield item
 
     def _route_error(self, route: str | None) -> ErrorPayload:
@@ -138,7 +149,10 @@ class OpenAIvLLMEngine(FromParts):
         return error_response(HTTPStatus.NOT_FOUND, message, param="openai_route",
                               anthropic=is_anthropic_route(route))
 
-    async def _generate(self, job: JobInput) -> AsyncIterator[Any]:
+    async def _generate(self, job: JobInput, *, per_event: BatchSize | None = None,
+                        text: bool = False) -> AsyncIterator[Any]:
+        """``per_event``: a stream's batches, the events before any output counted as any other
+        (else the job's, those events free); ``text``: SSE text whatever RAW_OPENAI_OUTPUT says."""
         path, _, query = job.openai_route.partition("?")  # RunPod relays the query string too
         if (route := self.routes.find(path)) is None:
             yield self._route_error(path)
@@ -157,9 +171,10 @@ class OpenAIvLLMEngine(FromParts):
                 content = b"".join([chunk async for chunk in response.body])
                 yield _answer_item(response, content, route)
                 return
-            size = job_batch_size(job, self.settings)
-            async for batch in _event_batches(response, size, route.preamble(job.openai_input)):
-                if self.settings.raw_openai_output:
+            size = per_event or job_batch_size(job, self.settings)
+            preamble = 0 if per_event else route.preamble(job.openai_input)
+            async for batch in _event_batches(response, size, preamble):
+                if text or self.settings.raw_openai_output:
                     yield "".join(batch)
                 elif parsed := data_json(batch):
                     yield parsed

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 
-__all__ = ["exit_now", "stop_then_exit"]
+__all__ = ["exit_now", "kill_children", "stop_then_exit"]
 
 
 def stop_then_exit(code: int, backstop_seconds: float) -> None:
@@ -24,8 +24,13 @@ def stop_then_exit(code: int, backstop_seconds: float) -> None:
     timer.start()
 
 
-def exit_now(code: int) -> None:
-    """Exit at once with ``code``, killing the child processes first."""
+def kill_children() -> None:
+    """Kill this process's children (vLLM's engine processes; the SDK's heartbeat)."""
     for child in multiprocessing.active_children():
         child.kill()
+
+
+def exit_now(code: int) -> None:
+    """Exit at once with ``code``, killing the child processes first."""
+    kill_children()
     os._exit(code)

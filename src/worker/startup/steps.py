@@ -1,6 +1,7 @@
 """The worker's start, step by step, each failure a ``StartupError`` naming what to change.
 
-1. ``fetch_model``: the hub checks and download of ``model/preflight``, before vLLM is imported;
+1. ``fetch_model``: the hub checks and download of ``model/preflight``, before vLLM is imported
+   (its phases told to the start-up watchdog);
 2. ``config/settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
 3. ``start_engine``: vLLM's configuration (``ConfigError``: a combination vLLM rejects, an
    architecture it does not serve, a length that cannot fit the GPUs), then the engine.
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from worker.config.engine_args import ResolvedArgs
     from worker.config.settings import WorkerConfig
     from worker.engine.vllm_engine import vLLMEngine
-    from worker.model.preflight import Fetched
+    from worker.model.preflight import Fetched, OnPhase
     from worker.scheduling.concurrency import Concurrency
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,14 @@ def _once_more(step: Callable[[], T], what: str) -> T:
     return step()
 
 
-def fetch_model() -> tuple[Fetched, Fetched | None] | None:
-    """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured."""
+def fetch_model(on_phase: OnPhase) -> tuple[Fetched, Fetched | None] | None:
+    """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured;
+    ``on_phase`` is told of each check and download (``Watchdog.enter``)."""
     from worker.config.settings import model_request
     from worker.model.preflight import prepare
 
     request = model_request()
-    return _once_more(lambda: prepare(request), "Model download") if request else None
+    return _once_more(lambda: prepare(request, on_phase), "Model download") if request else None
 
 
 def _chose(args: ResolvedArgs, dest: str) -> bool:
@@ -104,10 +106,11 @@ def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -
 
 def _start_once(config: WorkerConfig, build: Callable[[WorkerConfig], T], note_dir: Path,
                 attempt: int) -> T:
-    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, note_engine_failures
+    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV, note_engine_failures
     from worker.vllm_adapter import engine_failure as noted_failure
 
     os.environ[ENGINE_FAILURE_FILE_ENV] = str(note_dir / f"attempt-{attempt}.json")
+    os.environ[ENGINE_PHASE_FILE_ENV] = str(note_dir / f"attempt-{attempt}-phase.json")
     note_engine_failures(in_engine_process=False)
     try:
         return build(config)
