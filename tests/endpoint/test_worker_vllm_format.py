@@ -110,7 +110,7 @@ def test_a_streamed_raw_job_is_vllm_serves_stream_one_event_per_item(worker, vll
     expected = canonical_stream(parse_sse(vllm_serve.post(route, json=body).text))
     items = streamed(worker, job_input)
     assert all(isinstance(item, str) and EVENT.fullmatch(item) for item in items)
-    assert items[-1] == "data: [DONE]\n\n" and len(items) >= 4
+    assert items[-1] == "data: [DONE]\n\n" and len(items) >= 3  # some text, the usage, [DONE]
     assert canonical_stream(parse_sse("".join(items))) == expected
     aggregated = worker.run_sync({"input": {**job_input, "stream": True}}, timeout=60)  # /runsync: every item
     assert canonical_stream(parse_sse("".join(aggregated))) == expected

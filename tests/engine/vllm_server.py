@@ -86,9 +86,12 @@ def _text_delta(data) -> tuple[tuple, str, object] | None:
         return ("message", data["index"]), data["delta"]["text"], None
     if data.get("object") in ("chat.completion.chunk", "text_completion") and data["choices"]:
         (choice,) = data["choices"]
+        if "role" in choice.get("delta", {}):  # a chat stream's first chunk, before any text
+            return None
+        # A step's text may be empty (a token that ends no character yet): still a delta, which a
+        # later step's may absorb.
         text = choice["delta"].get("content") if "delta" in choice else choice.get("text")
-        if text or choice.get("finish_reason"):
-            return (data["object"], choice["index"]), text or "", choice.get("finish_reason")
+        return (data["object"], choice["index"]), text or "", choice.get("finish_reason")
     return None
 
 
@@ -96,7 +99,8 @@ def canonical_stream(events) -> tuple[list, dict]:
     """A stream with its generated text joined per position.
 
     vLLM merges the tokens of two engine steps into one event when its consumer is a step
-    behind, so how text is split into events depends on timing, not on the answer.
+    behind, so how text is split into events depends on timing, not on the answer: so does whether
+    a step whose text is empty has an event of its own.
     """
     others, texts = [], {}
     for name, data in events:
