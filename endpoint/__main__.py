@@ -7,7 +7,10 @@ it replaces a worker that exits, whatever its status and whenever: the same work
 working directory, after a back-off (1 s, doubling up to 30 s; back to 1 s once a worker has stayed
 up 60 s). Jobs queue meanwhile; a worker's failure never stops the endpoint. On Ctrl-C or SIGTERM
 it stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
-The workers inherit this environment: ``MODEL_NAME`` and every other worker setting.
+The workers inherit this environment: ``MODEL_NAME`` and every other worker setting. They run RunPod's
+start-up fitness checks as on RunPod, their network check dialling a listener of the endpoint's on
+127.0.0.1 (``NETWORK_CHECK_TARGET``; ``--refuse-network-check`` makes it refuse,
+``--no-fitness-checks`` turns the checks off).
 With ``--image IMAGE`` each worker is that image's own command in a container instead (see
 ``container.py``), which gets only RunPod's variables and those named with ``--env``.
 
@@ -24,6 +27,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +61,35 @@ def worker_ids(count: int) -> list[str]:
     return [f"local-worker-{i}" for i in range(count)]
 
 
+# The runpod SDK's switches that turn its fitness checks off (--no-fitness-checks).
+SKIP_CHECKS = {"RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true", "RUNPOD_SKIP_GPU_CHECK": "true"}
+
+
+class NetworkCheckTarget:
+    """What the workers' network fitness check dials, on loopback: RunPod's SDK dials a public DNS
+    server, and nothing here may send traffic off this machine. A listener that accepts, or, with
+    ``refuse``, a port bound without listening, which refuses every connection."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.socket = socket.create_server(("127.0.0.1", 0)) if not refuse else socket.socket()
+        if refuse:
+            self.socket.bind(("127.0.0.1", 0))
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        if not self.refuse:  # accept, then hang up: a connection is all the check asks for
+            self.server = await asyncio.start_server(lambda _, writer: writer.close(), sock=self.socket)
+
+    def env(self) -> dict[str, str]:
+        return {"NETWORK_CHECK_TARGET": f"127.0.0.1:{self.socket.getsockname()[1]}"}
+
+    def close(self) -> None:
+        if self.server:
+            self.server.close()
+        self.socket.close()
+
+
 def queue_env(base_url: str) -> dict[str, str]:
     """How a queue-based endpoint's worker gets its jobs: RunPod's job protocol at ``base_url``."""
     return {
@@ -74,9 +107,11 @@ def balancer_env(port: int, health_port: int) -> dict[str, str]:
 
 
 def worker_env(base_url: str, worker_id: str, api_key: str | None,
-               ports: tuple[int, int] | None = None) -> dict[str, str]:
+               ports: tuple[int, int] | None = None,
+               checks: Mapping[str, str] = SKIP_CHECKS) -> dict[str, str]:
     """The variables with which RunPod starts a worker: those of its endpoint's queue at ``base_url``
-    or, for a load-balancing worker, the ``ports`` (``PORT``, ``PORT_HEALTH``) it serves on.
+    or, for a load-balancing worker, the ``ports`` (``PORT``, ``PORT_HEALTH``) it serves on, and
+    ``checks``: how it runs RunPod's fitness checks (``NetworkCheckTarget.env``, or SKIP_CHECKS).
     The job protocol's variables come from here only: a load-balancing worker has none."""
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_WEBHOOK_")}
     return {
@@ -84,8 +119,7 @@ def worker_env(base_url: str, worker_id: str, api_key: str | None,
         "RUNPOD_POD_ID": worker_id,
         **(queue_env(base_url) if ports is None else balancer_env(*ports)),
         "RUNPOD_AI_API_KEY": api_key or "local",
-        "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
-        "RUNPOD_SKIP_GPU_CHECK": "true",
+        **checks,
         "PYTHONUNBUFFERED": "1",  # worker logs appear as they happen
         # The SDK logs every job's input and output at DEBUG, its default.
         "RUNPOD_DEBUG_LEVEL": env_value("RUNPOD_DEBUG_LEVEL", os.environ) or "INFO",
@@ -149,8 +183,10 @@ class Supervisor:
     def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore | Pool,
                  command: Sequence[str] = (sys.executable, str(HANDLER)),
                  container: ContainerLauncher | None = None,
-                 ports: Mapping[str, tuple[int, int]] | None = None) -> None:
+                 ports: Mapping[str, tuple[int, int]] | None = None,
+                 checks: Mapping[str, str] = SKIP_CHECKS) -> None:
         self.base_url, self.api_key, self.store, self.ports = base_url, api_key, store, ports
+        self.checks = dict(checks)
         self.command, self.container = tuple(command), container
         self.workers = worker_ids(count)
         self.lives: dict[str, Life] = {}  # worker → its latest process
@@ -195,7 +231,8 @@ class Supervisor:
 
     def _launch(self, worker: str) -> Life | None:
         """Start a process for ``worker`` (None: the endpoint is stopping)."""
-        env = worker_env(self.base_url, worker, self.api_key, self.ports[worker] if self.ports else None)
+        env = worker_env(self.base_url, worker, self.api_key, self.ports[worker] if self.ports else None,
+                         self.checks)
         with self._lock:
             if self._stopping:
                 return None
@@ -253,30 +290,30 @@ async def announce_ready(supervisor: Supervisor, started: float) -> None:
           flush=True)
 
 
-def queue_endpoint(args: argparse.Namespace,
-                   container: ContainerLauncher | None) -> tuple[web.Application, Supervisor, str]:
+def queue_endpoint(args: argparse.Namespace, container: ContainerLauncher | None,
+                   checks: Mapping[str, str]) -> tuple[web.Application, Supervisor, str]:
     """The queue-based endpoint's app, its workers and what it prints first."""
     store = JobStore(execution_timeout=args.execution_timeout or None)
     config = EndpointConfig(endpoint_id=args.endpoint_id, api_key=args.api_key,
                             job_take_delay=args.job_take_delay)
     base = f"http://{args.host}:{args.port}/v2/{args.endpoint_id}"
     supervisor = Supervisor(args.workers, base, args.api_key, store, (sys.executable, str(args.handler)),
-                            container)
+                            container, checks=checks)
     banner = (f"endpoint: starting {args.workers} worker(s)\n"
               f"  RunPod API: {base}/run, /runsync, /stream/<id>, /status/<id>, /cancel/<id>, /health\n"
               f"  OpenAI API: {base}/openai/v1\n\n{snippet(base + '/openai/v1', args.api_key)}\n")
     return create_app(config, store), supervisor, banner
 
 
-def balancer_endpoint(args: argparse.Namespace,
-                      container: ContainerLauncher | None) -> tuple[web.Application, Supervisor, str]:
+def balancer_endpoint(args: argparse.Namespace, container: ContainerLauncher | None,
+                      checks: Mapping[str, str]) -> tuple[web.Application, Supervisor, str]:
     """The load-balancing endpoint's app, its workers and what it prints first."""
     pool = Pool.on_free_ports(worker_ids(args.workers), args.separate_health_port)
     config = BalancerConfig(api_key=args.api_key, worker_wait_seconds=args.worker_wait,
                             request_timeout_seconds=args.request_timeout)
     base = f"http://{args.host}:{args.port}"
     supervisor = Supervisor(args.workers, base, args.api_key, pool, (sys.executable, str(args.handler)),
-                            container, pool.ports())
+                            container, pool.ports(), checks)
     banner = (f"endpoint: starting {args.workers} worker(s) (load balancer)\n"
               f"  HTTP: {base}/<path> (any route of the worker: /v1/chat/completions, /v1/messages, "
               f"/runsync, /ping)\n\n{snippet(base + '/v1', args.api_key)}\n")
@@ -289,7 +326,10 @@ async def serve(args: argparse.Namespace) -> None:
     passed = [*args.env, *balancer_env(0, 0).keys()] if args.load_balancer else args.env
     container = ContainerLauncher(args.image, passed, args.volume) if args.image else None
     endpoint = balancer_endpoint if args.load_balancer else queue_endpoint
-    app, supervisor, banner = endpoint(args, container)
+    target = None if args.no_fitness_checks else NetworkCheckTarget(refuse=args.refuse_network_check)
+    if target:
+        await target.start()
+    app, supervisor, banner = endpoint(args, container, target.env() if target else SKIP_CHECKS)
     runner = web.AppRunner(app, handler_cancellation=True)  # client gone: stop its job or request
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -311,6 +351,8 @@ async def serve(args: argparse.Namespace) -> None:
         print("endpoint: stopping workers", flush=True)
         await asyncio.to_thread(supervisor.stop)
         await runner.cleanup()
+        if target:
+            target.close()
 
 
 def main() -> None:
@@ -346,6 +388,12 @@ def main() -> None:
     parser.add_argument("--request-timeout", type=float, default=330.0, metavar="SECONDS",
                         help="with --load-balancer: a request longer than this gets a 524, or its answer "
                              "is cut off (default: 330, RunPod's)")
+    parser.add_argument("--no-fitness-checks", action="store_true",
+                        help="workers skip RunPod's start-up fitness checks (default: they run them, their "
+                             "network check dialling a listener of the endpoint's on 127.0.0.1)")
+    parser.add_argument("--refuse-network-check", action="store_true",
+                        help="the endpoint's network-check listener refuses connections: the workers' "
+                             "network fitness check fails, as on a host without network")
     parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     # uvloop, as vllm serve and RunPod's own proxies: the balancer relays every streamed chunk, and

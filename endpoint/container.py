@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 # What RunPod sets in a worker's container; every other variable of the endpoint's own environment
 # stays on the host unless named with --env.
 RUNPOD_PREFIX = "RUNPOD_"
-ALWAYS_PASSED = ("PYTHONUNBUFFERED",)
+ALWAYS_PASSED = ("PYTHONUNBUFFERED", "NETWORK_CHECK_TARGET")  # the latter: the endpoint's, on loopback
 
 
 def _buildah(*args: str, check: bool = True) -> str:

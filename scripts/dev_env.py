@@ -1,22 +1,40 @@
 """What the tests and the bench share to run the real vLLM on a development machine: the CPU
 settings of ``cpu-dev.env`` (process-wide vLLM settings and engine flags, as ``scripts/serve.sh``
-uses them), set in this process before anything imports vLLM, and free local ports."""
+uses them), set in this process before anything imports vLLM, a loopback target for the workers'
+network fitness check, and free local ports."""
 
 from __future__ import annotations
 
 import os
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 from dotenv import dotenv_values
 
 __all__ = ["CPU_ENV", "free_port"]
 
+
+
+def _network_check_target() -> str:
+    """A loopback listener for the network fitness check of the workers that tests and the bench
+    start themselves (the local endpoint has its own): the SDK's own target is a public address."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def accept() -> None:
+        while True:
+            server.accept()[0].close()
+
+    threading.Thread(target=accept, name="network-check-target", daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
+
+
 CPU_ENV = {**dotenv_values(Path(__file__).with_name("cpu-dev.env")),
            # vLLM's engine sockets, away from other runs' on the same machine
            "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vllm-rpc-"),
-           "DISABLE_LOG_STATS": "true"}
+           "DISABLE_LOG_STATS": "true",
+           "NETWORK_CHECK_TARGET": os.environ.get("NETWORK_CHECK_TARGET") or _network_check_target()}
 for _name, _value in CPU_ENV.items():
     os.environ.setdefault(_name, _value)  # values already in the environment win
 

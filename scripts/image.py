@@ -6,7 +6,7 @@ Targets, build args and secrets come from docker-bake.hcl, read as bake reads it
 the environment or ``--set``, ``inherits`` merged, a ``target:`` context built first and used as
 the image it names, the ``HF_TOKEN`` secret from the environment. Two things differ, because
 nothing can be pulled here and the build does not share this machine's TLS set-up: the CPU base's
-Debian is made with debootstrap (``localhost/debian-minbase:bookworm``), and the CPU lock's
+Debian is made with debootstrap (``localhost/debian-minbase:bookworm``), and the CPU runtime lock's
 packages come from a wheelhouse downloaded on the host (``WHEELS``). Both are cached, and buildah
 keeps every layer (``--layers``), so a second build re-runs only what changed.
 
@@ -38,7 +38,7 @@ import hcl2
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("IMAGE_CACHE_DIR") or Path.home() / ".cache" / "worker-vllm-image")
 DEBIAN_BASE = "localhost/debian-minbase:bookworm"
-LOCK = REPO / "scripts" / "requirements-cpu.lock"
+LOCK = REPO / "scripts" / "requirements-cpu-runtime.lock"  # what the CPU base installs
 TORCH_WHEELS = Path("/opt/wheels")  # this machine's torch CPU wheel, as setup.sh installs it
 UV = "uv==0.13.9"  # the base installs it as the official image does; setup.sh pins the same
 WHEELS_MOUNT = "/wheels"
@@ -178,7 +178,7 @@ def wheelhouse_exists() -> bool:
 
 
 def wheelhouse() -> Path:
-    """The CPU lock's wheels (and uv's), downloaded by the host's pip once per lock."""
+    """The CPU runtime lock's wheels (and uv's), downloaded by the host's pip once per lock."""
     folder = _wheelhouse_folder()
     if folder.is_dir():
         return folder
@@ -197,7 +197,7 @@ def wheelhouse() -> Path:
 
 
 # What the Dockerfiles read of the build context (.dockerignore admits the rest of it).
-CONTEXT_FILES = ("Dockerfile", "builder", ".dockerignore", "src", "scripts/requirements-cpu.lock")
+CONTEXT_FILES = ("Dockerfile", "builder", ".dockerignore", "src", "scripts/requirements-cpu-runtime.lock")
 
 
 def copy_context(folder: Path) -> Path:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from worker.env_text import env_value
 from worker.jobs.deadlines import DeadlinePassed, Deadlines, deadline_error
 from worker.jobs.job_input import JobInput
-from worker.startup.process_exit import stop_then_exit
+from worker.startup.process_exit import exit_on_sigterm, stop_then_exit
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import RequestError, StartupError, error_from_exception, error_response
 
@@ -134,7 +134,7 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         from worker.vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
 
         if is_fatal(exc):
-            log.critical("Engine is dead (%s); exiting so RunPod replaces this worker", exc)
+            log.critical("Engine is dead (%s): exit 1, so that RunPod replaces this worker", exc)
             _exit_soon(1)
         else:
             log.warning("Job %s failed: %s", job.get("id"), exc)
@@ -209,11 +209,8 @@ def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEng
     return engine, jobs
 
 
-def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
-    raise SystemExit(0)
-
-
-def _start(phase: Callable[[str], None], watchdog: Watchdog) -> tuple[WorkerConfig, Concurrency, str]:
+def _start(phase: Callable[[str], None], watchdog: Watchdog,
+           check_fitness: Callable[[], None]) -> tuple[WorkerConfig, Concurrency, str]:
     """Everything start-up does before jobs are taken (``startup/steps``), in the watchdog's phases;
     sets the engines."""
     global vllm_engine, openai_engine
@@ -221,6 +218,8 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog) -> tuple[WorkerConf
     from worker.startup.steps import fetch_model
     from worker.startup.steps import start_engine as start_with_retry
 
+    check_fitness()  # RunPod's checks, before the worker takes any memory or disk
+    phase("checks")
     # Before vLLM is imported: a bad repo or token is answered in seconds.
     downloaded = fetch_model(watchdog.enter)
     phase("model")
@@ -266,15 +265,16 @@ def _bind_ports(kind: EndpointKind) -> WorkerServer | None:
 
 
 def _answer_failure(failure: StartupError, server: WorkerServer | None) -> NoReturn:
-    """Answer every job or request with ``failure`` for a while, then exit."""
+    """Answer every job or request with ``failure`` for a while, then exit with its status."""
     from worker.config.settings import failure_answer_seconds
     from worker.startup import failed_start
 
-    if server is None:
-        failed_start.serve(failure, failure_answer_seconds())
-    if (seconds := failure_answer_seconds()) > 0:
-        server.answer_failure(failure, seconds)
-    sys.exit(failed_start.exit_status(failure))
+    seconds = failure_answer_seconds()
+    if server is None or seconds <= 0:
+        failed_start.serve(failure, seconds)
+    status = failed_start.exit_status(failure)
+    server.answer_failure(failure, seconds, status)
+    sys.exit(status)
 
 
 def _serve_http(server: WorkerServer, settings: WorkerSettings) -> None:
@@ -303,10 +303,12 @@ def _take_jobs(config: WorkerConfig, jobs: Concurrency) -> None:
 
 def main() -> None:
     _configure_logging()
-    # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK
-    # replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
-    # handled once it has stopped, which would otherwise kill the process on the spot.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK's job
+    # loop replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
+    # handled once it has stopped, which would otherwise kill the process on the spot. There this
+    # handler ends the process, inside the SDK: it exits with the status the worker chose (a failed
+    # start's, a dead engine's), not 0, else the log's "exit 2" would be a 0 (process_exit).
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     phases, mark = {}, time.perf_counter()
 
     def phase(name: str) -> None:
@@ -318,7 +320,10 @@ def main() -> None:
 
     load_dotenv()  # ./.env for local development; never overrides the real environment
     from worker.config.settings import endpoint_kind, startup_timeout
+    from worker.startup.steps import fitness_checks
     from worker.startup.watchdog import Watchdog
+
+    check_fitness = fitness_checks()  # the worker runs the SDK's checks itself, before it loads anything
 
     watchdog = Watchdog(startup_timeout(), clock=time.perf_counter, started=mark)  # from main()'s start
     phase("imports")
@@ -326,7 +331,7 @@ def main() -> None:
     try:
         kind = endpoint_kind()
         server = _bind_ports(kind)
-        config, jobs, cache_state = watchdog.run(lambda: _start(phase, watchdog))
+        config, jobs, cache_state = watchdog.run(lambda: _start(phase, watchdog, check_fitness))
     except StartupError as failure:
         log.error("Worker could not start: %s", failure)
         _answer_failure(failure, server)

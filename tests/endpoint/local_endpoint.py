@@ -86,6 +86,20 @@ class LocalEndpoint:
         return self.proc.wait(timeout=90)
 
 
+def failed_start_answers(endpoint: LocalEndpoint) -> list[str]:
+    """A load-balancing endpoint whose worker could not start: once ``/ping`` says 200 (the worker
+    answers with the cause), the error messages of a chat request and a ``/runsync`` job, each a 503."""
+    endpoint._wait_ready(1, 120)
+    chat = {"model": "any", "messages": [{"role": "user", "content": "x"}]}
+    messages = []
+    for path, body in (("/v1/chat/completions", chat), ("/runsync", {"input": {"prompt": "x"}})):
+        response = endpoint.http.post(path, json=body)
+        assert response.status_code == 503, response.text
+        error = response.json()["error"]
+        messages.append(error if isinstance(error, str) else error["message"])
+    return messages
+
+
 class HealthSampler:
     """The endpoint's ``/health`` answer every 20 ms, in a thread, until ``stop()``; with ``path``
     another one's, as ``read`` takes it from the response."""

@@ -57,6 +57,17 @@ def embedding_endpoint(minilm_env, tmp_path_factory):
 client, model = openai_fixtures()
 
 
+def test_each_worker_passed_runpods_fitness_checks_once_before_loading(endpoint):
+    """As on RunPod (the endpoint turns no check off): the worker's own run, its network check on the
+    endpoint's loopback target, before the engine's configuration; the SDK's run switched off."""
+    log = endpoint.log()
+    passed = re.findall(r"Fitness checks passed in [\d.]+ s: memory: [\d.]+ GB of RAM available; "
+                        r"disk: [\d.]+ GB free on / \([\d.]+ %\); network: connected to 127\.0\.0\.1:\d+", log)
+    assert len(passed) == 2, log[-3000:]
+    assert log.index("Fitness checks passed") < log.index("Engine config")
+    assert "fitness check(s)" not in log  # the SDK's "Running 3 fitness check(s)..."
+
+
 # --- openai SDK -----------------------------------------------------------------------------
 
 def test_models_list(client, endpoint):

@@ -6,18 +6,23 @@ the internet), by real workers under the local endpoint:
    and uses it; each file is sent once; the pinned MODEL_REVISION is what both serve;
 2. a worker killed half-way through the weights: the endpoint restarts it, and it resumes the file
    where the killed one stopped (a Range request), then serves;
-3. offline (HF_HUB_OFFLINE=1, the hub gone), the warm cache alone starts a worker.
+3. offline (HF_HUB_OFFLINE=1, the hub gone), the warm cache alone starts a worker;
+4. RunPod's model cache: the model only in a read-only Hugging Face cache at ``$HF_HOME/hub`` (a
+   read-only bind mount), served by its repo id with the hub reachable and not, with no download and
+   nothing written there; a revision it does not hold is answered as a start-up failure.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import pytest
 from conftest import SMOLLM2_DTYPE, wait_for
+from hub_cache import add_cached_repo
 from local_endpoint import LocalEndpoint, worker_pids
-
+from test_startup_failures import answered
 from tests.image.local_hub import LocalHub
 
 MIB = 2**20
@@ -114,8 +119,65 @@ def test_offline_a_warm_cache_starts_a_worker_without_the_hub(hub, volume, tmp_p
     env = worker_env("http://127.0.0.1:9", volume, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     endpoint = LocalEndpoint(env, 1, tmp_path / "endpoint.log")
     try:
-        assert "Model org/smol: from the cache (HF_HUB_OFFLINE)" in endpoint.log()
+        assert "Model org/smol: from the Hugging Face cache (HF_HUB_OFFLINE is set)" in endpoint.log()
         serves_v1(endpoint, hub)
         assert len(hub.requests) == requests
+    finally:
+        endpoint.stop()
+
+
+@pytest.fixture(scope="module")
+def model_cache(smol_files, tmp_path_factory):
+    """RunPod's model cache: HF_HOME whose ``hub`` holds org/smol (``refs/main``), mounted read-only."""
+    home = tmp_path_factory.mktemp("model-cache") / "huggingface-cache"
+    snapshot = add_cached_repo(home / "hub", "org/smol", smol_files)
+    hub_dir = str(home / "hub")
+    mounted = subprocess.run(["mount", "--bind", hub_dir, hub_dir], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot bind-mount here (needs root): {mounted.stderr.strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", hub_dir], check=True)
+        yield home, snapshot
+    finally:
+        subprocess.run(["umount", "-l", hub_dir], check=True)
+
+
+def tree(folder) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("hub_reachable", [True, False], ids=["hub reachable", "hub unreachable"])
+def test_runpods_model_cache_serves_the_repo_id_with_no_download_and_no_write(
+        hub, model_cache, tmp_path, hub_reachable):
+    home, snapshot = model_cache
+    before, requests, downloads = tree(home / "hub"), len(hub.requests), len(hub.downloads)
+    env = worker_env(hub.url if hub_reachable else "http://127.0.0.1:9", tmp_path / "volume",
+                     MODEL_REVISION="", HF_HOME=str(home))
+    endpoint = LocalEndpoint(env, 1, tmp_path / "endpoint.log")
+    try:
+        assert (f"Model org/smol: from RunPod's model cache (the cache is read-only), commit {snapshot.name}, "
+                "no download") in endpoint.log()
+        card = endpoint.http.get("/openai/v1/models").json()["data"][0]
+        assert card["id"] == "org/smol" and card["root"] == str(snapshot)
+        answer = endpoint.openai_client().chat.completions.create(model="org/smol", messages=CHAT,
+                                                                   temperature=0, max_tokens=20)
+        assert "Paris" in answer.choices[0].message.content
+        assert (len(hub.requests), len(hub.downloads)) == (requests, downloads)  # the hub was not asked
+        assert tree(home / "hub") == before
+    finally:
+        endpoint.stop()
+
+
+def test_a_revision_runpods_model_cache_does_not_hold_is_a_start_up_failure_saying_why(hub, model_cache, tmp_path):
+    home, snapshot = model_cache
+    downloads = len(hub.downloads)
+    endpoint = LocalEndpoint(worker_env(hub.url, tmp_path / "volume", HF_HOME=str(home)), 1,
+                             tmp_path / "endpoint.log")
+    try:
+        message = answered(endpoint, "MODEL_NAME='org/smol' (revision v1, MODEL_REVISION) is not in the "
+                                     f"Hugging Face cache at {home / 'hub'} (it holds main, {snapshot.name}), "
+                                     "which is read-only (RunPod's model cache)")
+        assert "set MODEL_NAME and MODEL_REVISION to the model the endpoint caches" in message
+        assert len(hub.downloads) == downloads
     finally:
         endpoint.stop()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import engine_env, wait_for
-from local_endpoint import LocalEndpoint
+from local_endpoint import LocalEndpoint, failed_start_answers
 from test_startup_failures import answered, online
 
 from tests.image.local_hub import LocalHub
@@ -72,13 +72,8 @@ def test_a_start_that_hangs_while_loading_is_answered_on_a_load_balancing_endpoi
     env = engine_env(unreadable_weights, VLLM_STARTUP_TIMEOUT="8", STARTUP_FAILURE_ANSWER_SECONDS="60")
     endpoint = LocalEndpoint(env, 1, tmp_path / "endpoint.log", ready_timeout=None, args=("--load-balancer",))
     try:
-        endpoint._wait_ready(1, 120)  # /ping says 200 once the worker answers with the cause
-        chat = {"model": "any", "messages": [{"role": "user", "content": "x"}]}
-        for path, body in (("/v1/chat/completions", chat), ("/runsync", {"input": {"prompt": "x"}})):
-            response = endpoint.http.post(path, json=body)
-            error = response.json()["error"]
-            text = error if isinstance(error, str) else error["message"]
-            assert response.status_code == 503 and "VLLM_STARTUP_TIMEOUT=8 s" in text
+        for text in failed_start_answers(endpoint):
+            assert "VLLM_STARTUP_TIMEOUT=8 s" in text
             assert "in phase 'load', reading the configuration and loading the weights" in text
     finally:
         endpoint.stop()

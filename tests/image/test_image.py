@@ -28,6 +28,7 @@ from image import Built, build, buildah, copy_context, image_config
 from worker.config.settings import VOLUME_CACHE_DIR
 
 from tests.endpoint.local_endpoint import LocalEndpoint
+from tests.hub_cache import add_cached_repo
 from tests.image.layers import find_secret
 from tests.image.local_hub import LocalHub
 
@@ -44,7 +45,9 @@ OTHER_TOKEN = "hf_not_the_token"
 # LORA_ADAPTERS names them: one under its repo id, one from a sub-folder under a name of its own.
 ADAPTER_REPOS = {"local/smollm2-adapter": "", "local/smollm2-adapters": "customers/x/"}
 LORA_ADAPTERS = "local/smollm2-adapter,customer-x=local/smollm2-adapters/customers/x"
-CONTAINER_ENV = {k: v for k, v in CPU_ENV.items() if k != "VLLM_RPC_BASE_PATH"} | {"DTYPE": "float32"}
+# The endpoint gives its workers a network-check target of its own.
+CONTAINER_ENV = {k: v for k, v in CPU_ENV.items()
+                 if k not in ("VLLM_RPC_BASE_PATH", "NETWORK_CHECK_TARGET")} | {"DTYPE": "float32"}
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +295,30 @@ def test_the_same_image_serves_a_load_balancing_endpoint(balanced):
     stream = balanced.openai_client().chat.completions.create(**chat, max_tokens=20, stream=True)
     assert "Paris" in "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert balanced.http.get("/ping").status_code == 200
+
+
+# --- RunPod's model cache -------------------------------------------------------------------------
+
+def test_the_image_serves_a_model_from_runpods_read_only_model_cache(baked, models, tmp_path):
+    """RunPod mounts the cached model read-only at /runpod-volume/huggingface-cache/hub, the image's
+    Hugging Face cache: the worker serves it by its repo id, with no hub (none is reachable) and no
+    write there."""
+    files = {p.name: p for p in models["smollm2-135m-instruct"].iterdir() if p.is_file()}
+    cache = tmp_path / "model-cache" / "hub"
+    snapshot = add_cached_repo(cache, "org/cached", files)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in cache.rglob("*"))
+    env = CONTAINER_ENV | {"MODEL_NAME": "org/cached", "MODEL_REVISION": "main", "HF_HUB_OFFLINE": "0",
+                           "HF_ENDPOINT": "http://127.0.0.1:9"}
+    endpoint = LocalEndpoint({}, 1, tmp_path / "endpoint.log", args=(
+        "--image", baked.tag, f"--volume={cache}:/runpod-volume/huggingface-cache/hub:ro",
+        *[f"--env={k}={v}" for k, v in env.items()]))
+    try:
+        assert (f"Model org/cached: from RunPod's model cache (the cache is read-only), commit {snapshot.name}, "
+                "no download") in endpoint.log()
+        answer = endpoint.openai_client().chat.completions.create(
+            model="org/cached", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            temperature=0, max_tokens=20)
+        assert "Paris" in answer.choices[0].message.content
+        assert sorted((str(p), p.stat().st_mtime_ns) for p in cache.rglob("*")) == before
+    finally:
+        endpoint.stop()

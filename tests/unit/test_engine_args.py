@@ -492,6 +492,12 @@ def test_secrets_never_logged(files, caplog):
     assert "secret" not in caplog.text
 
 
+def test_log_level_is_the_workers_own_in_any_case(files):
+    """Not vLLM's --log-level, whose choices are capitals only: LOG_LEVEL=debug once stopped the start."""
+    config = load_config(files.env(MODEL_NAME="m", LOG_LEVEL="debug"))
+    assert "log_level" not in config.args.flags
+
+
 # --- worker settings ------------------------------------------------------------------------
 
 def test_worker_settings_defaults():

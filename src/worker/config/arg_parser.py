@@ -112,8 +112,9 @@ def unclassified_frontend_flags() -> list[str]:
 
 
 # Engine fields never taken from a bare env var: huggingface_hub reads HF_TOKEN itself, and
-# copying it into the engine args would put the secret into vLLM's "non-default args" log.
-RESERVED_ENV = frozenset({"HF_TOKEN"})
+# copying it into the engine args would put the secret into vLLM's "non-default args" log; LOG_LEVEL
+# is the worker's own (any case), not vLLM's --log-level (capitals only; VLLM_LOGGING_LEVEL is vLLM's).
+RESERVED_ENV = frozenset({"HF_TOKEN", "LOG_LEVEL"})
 
 # vLLM treats these as "derive from the model" when unset; RunPod templates send 0 for that.
 ZERO_MEANS_UNSET = ("max_model_len", "max_num_batched_tokens")

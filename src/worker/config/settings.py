@@ -9,12 +9,13 @@ the environment (each value through ``env_text.env_value``: blank means unset).
   reads worker-vllm's old names through ``config/legacy_env`` and the baked-args file through
   ``model/baked_args``).
 
-Four readers run before vLLM is imported (this module imports it only in ``load_config``):
+Five readers run before vLLM is imported (this module imports it only in ``load_config``):
 ``model_request(env)``, the hub repos to check and download (``model/preflight``),
 ``failure_answer_seconds(env)``, how long a worker that could not start answers jobs,
-``startup_timeout(env)``, how long the start may take (``startup/watchdog``), and
+``startup_timeout(env)``, how long the start may take (``startup/watchdog``),
 ``endpoint_kind(env)``, whether the worker takes jobs from RunPod's queue or serves HTTP on a
-load-balancing endpoint (which must answer ``/ping`` from the start).
+load-balancing endpoint (which must answer ``/ping`` from the start), and ``fitness_settings(env)``,
+RunPod's fitness checks (``startup/fitness``).
 
 Every problem is collected into one ``ConfigError`` naming the variable, its value and what was
 expected. Unknown variables close to a real name get a "did you mean" warning.
@@ -30,6 +31,8 @@ Outside this layer the environment is touched on purpose in these places only:
   ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
 - ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
   the engine's processes, which inherit them, unless the user set them (``_users_own``).
+- ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS and
+  RUNPOD_SKIP_GPU_CHECK, once the worker has read them (``fitness_settings``) to run the checks itself;
 - ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
   vLLM's serving classes ask the worker's adapter registry for a name they do not know.
 
@@ -46,10 +49,18 @@ import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import yaml
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from worker.env_text import env_value
 from worker.model import baked_args
@@ -63,8 +74,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXTRA_ARGS_ENV", "EndpointKind", "WorkerConfig", "WorkerSettings", "config_file", "endpoint_kind",
-           "failure_answer_seconds", "load_config", "load_settings", "model_request", "startup_timeout"]
+M = TypeVar("M", bound=BaseModel)
+
+__all__ = ["EXTRA_ARGS_ENV", "EndpointKind", "FitnessSettings", "WorkerConfig", "WorkerSettings", "config_file",
+           "endpoint_kind", "failure_answer_seconds", "fitness_settings", "load_config", "load_settings",
+           "model_request", "startup_timeout"]
 
 
 FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
@@ -73,10 +87,16 @@ STARTUP_TIMEOUT_ENV = "VLLM_STARTUP_TIMEOUT"
 DEFAULT_STARTUP_TIMEOUT = 1200.0  # worker-vllm's
 # Raw `vllm serve` flags, applied above every other layer (config/engine_args).
 EXTRA_ARGS_ENV = "VLLM_EXTRA_ARGS"
+NETWORK_CHECK_TARGET_ENV = "NETWORK_CHECK_TARGET"  # host:port the network fitness check dials
 
 
 def _env(*names: str):
     return AliasChoices(*names)
+
+
+def _env_names(model: type[BaseModel]) -> frozenset[str]:
+    """The variables a settings model reads (its fields' aliases)."""
+    return frozenset(name for f in model.model_fields.values() for name in f.validation_alias.choices)
 
 
 class WorkerSettings(BaseModel):
@@ -156,8 +176,7 @@ class WorkerSettings(BaseModel):
 
     @classmethod
     def env_names(cls) -> frozenset[str]:
-        return frozenset(name for f in cls.model_fields.values()
-                         for name in f.validation_alias.choices)
+        return _env_names(cls)
 
     def timeout_for(self, job_timeout: float | None = None) -> tuple[float | None, str]:
         """The limit on one job or request: the smallest set among its own ``timeout``, JOB_TIMEOUT
@@ -168,16 +187,54 @@ class WorkerSettings(BaseModel):
         return min(limits, key=lambda limit: limit[0], default=(None, ""))
 
 
+class FitnessSettings(BaseModel):
+    """RunPod's start-up fitness checks (``startup/fitness``): the runpod SDK's variables and defaults,
+    and the network check's target (the SDK dials a public DNS server; tests point it at loopback)."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    skip_system: bool = Field(False, validation_alias=_env("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS"))
+    skip_gpu_test: bool = Field(False, validation_alias=_env("RUNPOD_SKIP_GPU_CHECK"))
+    min_memory_gb: float = Field(4.0, ge=0, allow_inf_nan=False, validation_alias=_env("RUNPOD_MIN_MEMORY_GB"))
+    min_disk_percent: float = Field(10.0, ge=0, le=100, allow_inf_nan=False,
+                                    validation_alias=_env("RUNPOD_MIN_DISK_PERCENT"))
+    min_cuda_version: str = Field("11.8", pattern=r"^\d+\.\d+$", validation_alias=_env("RUNPOD_MIN_CUDA_VERSION"))
+    network_check_timeout: float = Field(5.0, gt=0, allow_inf_nan=False,
+                                         validation_alias=_env("RUNPOD_NETWORK_CHECK_TIMEOUT"))
+    gpu_benchmark_timeout: float = Field(2.0, gt=0, allow_inf_nan=False,
+                                         validation_alias=_env("RUNPOD_GPU_BENCHMARK_TIMEOUT"))
+    gpu_test_timeout: float = Field(30.0, gt=0, allow_inf_nan=False,
+                                    validation_alias=_env("RUNPOD_GPU_TEST_TIMEOUT"))
+    gpu_test_path: str | None = Field(None, validation_alias=_env("RUNPOD_BINARY_GPU_TEST_PATH"))
+    network_check_target: str = Field("8.8.8.8:53", pattern=r"^\S+:\d{1,5}$",
+                                      validation_alias=_env(NETWORK_CHECK_TARGET_ENV))
+
+    @property
+    def network_address(self) -> tuple[str, int]:
+        host, _, port = self.network_check_target.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def fitness_settings(env: Mapping[str, str] | None = None) -> FitnessSettings | None:
+    """The fitness checks' settings where the runpod SDK would run them, on RunPod: a queue
+    endpoint's worker (RUNPOD_WEBHOOK_GET_JOB set), or a load-balancing one's; else None.
+    Raises ConfigError for a bad value."""
+    env = os.environ if env is None else env
+    if env_value("RUNPOD_WEBHOOK_GET_JOB", env) is None and not endpoint_kind(env).load_balancer:
+        return None
+    return _validated(env, _env_names(FitnessSettings), FitnessSettings)
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> WorkerSettings:
     """WorkerSettings from ``env`` (default ``os.environ``); empty values mean "not set"."""
     return _validated(os.environ if env is None else env, WorkerSettings.env_names())
 
 
-def _validated(env: Mapping[str, str], names: Iterable[str]) -> WorkerSettings:
-    """WorkerSettings from the variables ``names`` (the others at their defaults)."""
+def _validated(env: Mapping[str, str], names: Iterable[str], model: type[M] = WorkerSettings) -> M:
+    """``model`` (WorkerSettings) from the variables ``names`` (the others at their defaults)."""
     given = {name: value for name in names if (value := env_value(name, env)) is not None}
     try:
-        return WorkerSettings.model_validate(given)
+        return model.model_validate(given)
     except ValidationError as exc:
         lines = [f"env {err['loc'][0]}={given.get(str(err['loc'][0]))!r}: {err['msg']}"
                  if err["loc"] else err["msg"].removeprefix("Value error, ") for err in exc.errors()]
@@ -267,7 +324,7 @@ def load_config(env: Mapping[str, str] | None = None,
     from worker.config.engine_args import known_env_names, resolve_args  # imports vLLM
 
     env = os.environ if env is None else env
-    _warn_near_misses(env, known_env_names() | WorkerSettings.env_names())
+    _warn_near_misses(env, known_env_names() | WorkerSettings.env_names() | _env_names(FitnessSettings))
     problems: list[str] = []
     settings = args = None
     try:

@@ -93,14 +93,15 @@ class WorkerServer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
 
-    def answer_failure(self, failure: StartupError, seconds: float) -> None:
+    def answer_failure(self, failure: StartupError, seconds: float, status: int) -> None:
         """Answer every request with ``failure`` (``/ping`` 200: RunPod routes callers here to learn
-        why) for ``seconds``, or until SIGTERM; then stop serving."""
+        why) for ``seconds``, or until SIGTERM; then stop serving (the caller exits with ``status``)."""
         self.app.fail(failure)
         self._catch_signals()
         log.error("Answering every request with this failure for %g s (STARTUP_FAILURE_ANSWER_SECONDS), "
-                  "then exiting so that RunPod replaces the worker", seconds)
-        self._stopping.wait(seconds)
+                  "then exiting with status %d so that RunPod replaces the worker", seconds, status)
+        if not self._stopping.wait(seconds):  # as startup/failed_start logs it
+            log.error("Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit %d", status)
         self._early.stop()
 
     def serve(self, serving: Serving, engine_loop: BackgroundLoop) -> None:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Fetched", "ModelRequest", "prepare"]
 
 PROGRESS_SECONDS = 5.0  # a download logs its progress this often
+READ_ONLY = "the cache is read-only"  # why a repo is taken from the cache without the hub
 GB = 1e9
 
 # Told of each step: ("preflight") before a repo's checks, ("download", bytes so far) before its
@@ -127,8 +128,10 @@ def prepare(request: ModelRequest, on_phase: OnPhase = _no_phases) -> tuple[Fetc
 
 def _fetch(request: RepoRequest, on_phase: OnPhase, *, weights: bool) -> Fetched:
     cache = Path(constants.HF_HUB_CACHE)
+    if _read_only(_repo_folder(cache, request.repo)):
+        return _from_cache(request, cache, weights=weights, why=READ_ONLY)
     if constants.HF_HUB_OFFLINE:
-        return _from_cache(request, cache, weights=weights)
+        return _from_cache(request, cache, weights=weights, why="HF_HUB_OFFLINE is set")
     on_phase("preflight")
     plan = _plan(request, weights=weights)
     _check_space(request, plan, cache)
@@ -136,8 +139,25 @@ def _fetch(request: RepoRequest, on_phase: OnPhase, *, weights: bool) -> Fetched
     return _download(request, plan, cache)
 
 
-def _from_cache(request: RepoRequest, cache: Path, *, weights: bool) -> Fetched:
-    """The repo's snapshot in the cache, checked complete for the files a download would choose."""
+def _read_only(folder: Path) -> bool:
+    """Whether nothing can be written where the repo is cached (its folder, else the nearest parent
+    that exists): RunPod mounts its model cache read-only."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    return not os.access(folder, os.W_OK)
+
+
+def _cached_revisions(cache: Path, repo: str) -> str:
+    """The revisions a cache holds of ``repo``, for a message."""
+    folder = _repo_folder(cache, repo)
+    refs, commits = (sorted(p.name for p in (folder / sub).glob("*")) for sub in ("refs", "snapshots"))
+    return f"it holds {', '.join(refs + commits)}" if refs or commits else "it holds no copy of it"
+
+
+def _from_cache(request: RepoRequest, cache: Path, *, weights: bool, why: str) -> Fetched:
+    """The repo's snapshot in the cache, checked complete for the files a download would choose:
+    the hub is not asked (``why``: HF_HUB_OFFLINE, or a read-only cache, where nothing can be
+    downloaded)."""
     config = huggingface_hub.try_to_load_from_cache(request.repo, "config.json", cache_dir=cache,
                                                     revision=request.revision)
     try:
@@ -149,12 +169,25 @@ def _from_cache(request: RepoRequest, cache: Path, *, weights: bool) -> Fetched:
         path = snapshot_download(request.repo, revision=request.revision, cache_dir=cache,
                                  local_files_only=True, allow_patterns=files)
     except (LocalEntryNotFoundError, ValueError):
-        raise StartupError(
+        raise _not_cached(request, cache, why) from None
+    source = "RunPod's model cache" if why == READ_ONLY else "the Hugging Face cache"
+    log.info("Model %s: from %s (%s), commit %s, no download: %s", request.repo, source, why,
+             Path(path).name, path)
+    return Fetched(request.repo, request.revision, Path(path))
+
+
+def _not_cached(request: RepoRequest, cache: Path, why: str) -> StartupError:
+    if why != READ_ONLY:
+        return StartupError(
             f"{_named(request)} is not in the Hugging Face cache at {cache}, and HF_HUB_OFFLINE is set: "
             "start once with the hub reachable (HF_HUB_OFFLINE=0), or bake the model into the image",
-            variables=(request.variable, "HF_HUB_OFFLINE")) from None
-    log.info("Model %s: from the cache (HF_HUB_OFFLINE), %s", request.repo, path)
-    return Fetched(request.repo, request.revision, Path(path))
+            variables=(request.variable, "HF_HUB_OFFLINE"))
+    return StartupError(
+        f"{_named(request)} is not in the Hugging Face cache at {cache} "
+        f"({_cached_revisions(cache, request.repo)}), which is read-only (RunPod's model cache), so it cannot be downloaded there: set "
+        f"{request.variable} and {request.revision_variable} to the model the endpoint caches, or cache "
+        "this one in the endpoint's settings",
+        variables=(request.variable, request.revision_variable))
 
 
 def _named(request: RepoRequest) -> str:

@@ -1,1 +1,1 @@
-"""Start-up steps, their retries and their time bound, and what a worker that could not start does."""
+"""Start-up: its steps, RunPod's fitness checks, retries and time bound, and answers after a failed start."""

@@ -6,7 +6,8 @@ with the cause: HTTP 503 in the route's dialect (OpenAI's, or Anthropic's on ``/
 same error item on raw jobs. It does so for STARTUP_FAILURE_ANSWER_SECONDS (default 120), which
 drains the queue so that the endpoint can scale down, then exits, so that RunPod replaces it: a new
 worker tries the start again (the cause may have been fixed meanwhile, or been transient). The exit
-status is 2 when settings must change, else 1; with 0 seconds the worker exits at once.
+status is 2 when settings must change, else 1; with 0 seconds the worker exits at once. The log
+names the status (``exit 2``), in every mode: when the window begins, and when it ends.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NoReturn
 
-from worker.startup.process_exit import stop_then_exit
+from worker.startup.process_exit import set_status, stop_then_exit
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ConfigError, ErrorPayload, StartupError, error_response
 
@@ -50,10 +51,11 @@ def _end_window(status: int) -> None:
     stop_then_exit(status, EXIT_BACKSTOP_SECONDS)
 
 
-def serve(failure: StartupError, seconds: float) -> None:
+def serve(failure: StartupError, seconds: float) -> NoReturn:
     """Answer every job with ``failure`` for ``seconds``, then exit (at once when 0)."""
     status = exit_status(failure)
     if seconds <= 0:
+        log.error("No answer window (STARTUP_FAILURE_ANSWER_SECONDS=0): exit %d", status)
         sys.exit(status)
     import runpod
 
@@ -63,8 +65,11 @@ def serve(failure: StartupError, seconds: float) -> None:
         log.warning("Job %s: answered with the start-up failure", job.get("id"))
         yield failure_item(failure, job)
 
-    log.error("Answering every job with this failure for %g s (STARTUP_FAILURE_ANSWER_SECONDS), "
-              "then exiting so that RunPod replaces the worker", seconds)
+    log.error("Answering every job with this failure for %g s (STARTUP_FAILURE_ANSWER_SECONDS), then exiting "
+              "with status %d so that RunPod replaces the worker", seconds, status)
+    # Under uvicorn (--rp_serve_api) a SIGTERM, RunPod's or the window's own, ends the process in
+    # main()'s SIGTERM handler, inside the SDK: the sys.exit below is not reached.
+    set_status(status)
     window = threading.Timer(seconds, _end_window, args=(status,))
     window.daemon = True
     window.start()

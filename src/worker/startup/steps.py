@@ -1,5 +1,6 @@
 """The worker's start, step by step, each failure a ``StartupError`` naming what to change.
 
+0. ``fitness_checks``: RunPod's fitness checks of the host (``startup/fitness``);
 1. ``fetch_model``: the hub checks and download of ``model/preflight``, before vLLM is imported
    (its phases told to the start-up watchdog);
 2. ``config/settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import tempfile
@@ -35,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["engine_failure", "fetch_model", "start_engine"]
+__all__ = ["engine_failure", "fetch_model", "fitness_checks", "start_engine"]
 
 RETRY_PAUSE_SECONDS = 3.0  # before a transient failure is tried again
 OOM_UTILIZATION_STEP = 0.1  # an out-of-memory start is tried again with this much less memory
@@ -53,6 +55,30 @@ def _once_more(step: Callable[[], T], what: str) -> T:
         log.warning("%s failed, trying once more in %g s: %s", what, RETRY_PAUSE_SECONDS, failure)
     time.sleep(RETRY_PAUSE_SECONDS)
     return step()
+
+
+def fitness_checks() -> Callable[[], None]:
+    """RunPod's fitness checks (``startup/fitness``) where the runpod SDK would run them, to run as the
+    start's first step. Their settings are read now, then the SDK's own run is switched off
+    (``hand_over``), before anything can call the SDK, a failed start's answers included."""
+    from worker.config.settings import fitness_settings
+    from worker.startup.fitness import check, hand_over
+
+    try:
+        settings = fitness_settings()
+    except StartupError as failure:  # a bad value: the start's first step raises it
+        return functools.partial(_raise, failure)
+    finally:
+        hand_over()
+    return functools.partial(check, settings) if settings else _nothing
+
+
+def _raise(failure: StartupError) -> None:
+    raise failure
+
+
+def _nothing() -> None:
+    return None
 
 
 def fetch_model(on_phase: OnPhase) -> tuple[Fetched, Fetched | None] | None:

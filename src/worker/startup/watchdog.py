@@ -10,7 +10,8 @@ Time in which the model's download makes progress is not counted: from one sign 
 bytes in the cache than before) to the next, the clock stands still, so that a large first download
 fits whatever its size, while a stalled one is counted from its last progress. The phases:
 
-- ``preflight``: the worker's imports and the model's checks on the hub (``model/preflight``);
+- ``preflight``: the worker's imports, RunPod's fitness checks (``startup/fitness``) and the model's
+  checks on the hub (``model/preflight``);
 - ``download``: the model's files, into the Hugging Face cache;
 - ``load``: the configuration, vLLM's engine processes and the weights, until vLLM logs that the
   weights are loaded (its engine processes note it: ``vllm_adapter.engine_phase``);
@@ -39,7 +40,8 @@ T = TypeVar("T")
 TICK_SECONDS = 1.0  # the clock and the download's progress are read this often
 # What each phase does, and what to look at when a start hangs in it.
 PHASES = {
-    "preflight": "checking the model on the hub, which may be out of reach (HF_ENDPOINT)",
+    "preflight": "checking the host (RUNPOD_GPU_TEST_TIMEOUT) and the model on the hub, which may be out of "
+                 "reach (HF_ENDPOINT)",
     "download": "with no progress of the model's download: the hub (HF_ENDPOINT) may be out of reach, and a "
                 "model baked into the image needs no download",
     "load": "reading the configuration and loading the weights: a slow disk or network volume, or a model "
