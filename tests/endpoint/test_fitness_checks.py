@@ -1,7 +1,8 @@
 """RunPod's start-up fitness checks, run by real workers under the local endpoint as on RunPod: the
 runpod SDK's variables set to fail each check that can fail on this machine (the network one through
 the endpoint's loopback target, which it makes refuse; the CUDA version through an ``nvidia-smi`` that
-reports an old driver), each failure answered on the jobs (503 on a load-balancing endpoint) before the
+reports an old driver, or a GPU that this CPU build of torch cannot see; the SDK's ``gpu_test`` through
+a failing stand-in), each failure answered on the jobs (503 on a load-balancing endpoint) before the
 worker loads or downloads anything. That they pass, and that the SDK does not run them a second time,
 is asserted on the log of a worker that serves (tests/endpoint/test_local_endpoint.py)."""
 
@@ -15,16 +16,28 @@ from conftest import engine_env
 from local_endpoint import LocalEndpoint, failed_start_answers
 from test_startup_failures import answered
 
-OLD_DRIVER = "NVIDIA-SMI 470.82.01    Driver Version: 470.82.01    CUDA Version: 11.4"
+DRIVERS = {"OLD": "NVIDIA-SMI 470.82.01    Driver Version: 470.82.01    CUDA Version: 11.4",
+           "NEW": "NVIDIA-SMI 550.54.15    Driver Version: 550.54.15    CUDA Version: 12.4"}
 
 
-def fake_nvidia_smi(tmp_path) -> str:
-    """A folder whose ``nvidia-smi`` reports a GPU with an old driver: PATH's first entry."""
-    folder = tmp_path / "bin"
-    folder.mkdir()
-    (folder / "nvidia-smi").write_text(f"#!/bin/sh\necho '{OLD_DRIVER}'\n")
-    (folder / "nvidia-smi").chmod(0o755)
-    return str(folder)
+def script(folder, name: str, body: str):
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(f"#!/bin/sh\n{body}\n")
+    (folder / name).chmod(0o755)
+    return folder / name
+
+
+def fake_gpu_host(tmp_path, overrides: dict[str, str]) -> dict[str, str]:
+    """``PATH``: OLD or NEW, an ``nvidia-smi`` that reports a GPU with that driver first on PATH;
+    ``RUNPOD_BINARY_GPU_TEST_PATH``: FAIL, a ``gpu_test`` whose allocation fails."""
+    changed = dict(overrides)
+    if driver := overrides.get("PATH"):
+        script(tmp_path / "bin", "nvidia-smi", f"echo '{DRIVERS[driver]}'")
+        changed["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
+    if overrides.get("RUNPOD_BINARY_GPU_TEST_PATH"):
+        failing = "echo 'Found 1 GPUs:'; echo 'GPU 0: cudaMalloc failed: out of memory'"
+        changed["RUNPOD_BINARY_GPU_TEST_PATH"] = str(script(tmp_path / "sdk", "gpu_test", failing))
+    return changed
 
 
 FAILURES = {
@@ -37,17 +50,21 @@ FAILURES = {
     "network": ({}, ("--refuse-network-check",),
                 r"fitness check 'network' failed: cannot connect to 127\.0\.0\.1:\d+ \(Connection refused\), "
                 r"a connection required \(NETWORK_CHECK_TARGET\)"),
-    "cuda version": ({"PATH": "FAKE"}, (),
+    "cuda version": ({"PATH": "OLD"}, (),
                      r"fitness check 'cuda_version' failed: the driver supports CUDA 11\.4, "
                      r"CUDA 11\.8 required \(RUNPOD_MIN_CUDA_VERSION\)"),
+    "gpu compute": ({"PATH": "NEW"}, (),
+                    r"fitness check 'gpu_compute' failed: nvidia-smi shows a GPU, torch\.cuda none"),
+    "gpu test": ({"PATH": "NEW", "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
+                  "RUNPOD_BINARY_GPU_TEST_PATH": "FAIL"},
+                 (), r"fitness check 'gpu_test' failed: GPU memory allocation: GPU 0: cudaMalloc failed: "
+                     r"out of memory"),
 }
 
 
 def failing_env(models, tmp_path, overrides: dict[str, str]) -> dict[str, str]:
     """A worker that would serve the tiny model, but for the check ``overrides`` makes fail."""
-    if overrides.get("PATH") == "FAKE":
-        overrides = {**overrides, "PATH": f"{fake_nvidia_smi(tmp_path)}:{os.environ['PATH']}"}
-    return engine_env(models["tiny-llama"], **overrides)
+    return engine_env(models["tiny-llama"], **fake_gpu_host(tmp_path, overrides))
 
 
 @pytest.mark.parametrize("check", FAILURES)

@@ -125,15 +125,17 @@ def cuda_version(settings: FitnessSettings, smi: str) -> str:
 # Run in a child process (``gpu_compute``): every GPU initialised, then the SDK's timed matmul.
 _PROBE = """
 import json, time, torch
-count = torch.cuda.device_count()
-for i in range(count):
+result = {"gpus": torch.cuda.device_count(), "ms": 0.0}
+for i in range(result["gpus"]):
     torch.zeros(1024, device=f"cuda:{i}")
     torch.cuda.synchronize(i)
-start = time.perf_counter()
-a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
-torch.matmul(a, b)
-torch.cuda.synchronize()
-print(json.dumps({"gpus": count, "ms": 1000 * (time.perf_counter() - start)}))
+if result["gpus"]:
+    start = time.perf_counter()
+    a, b = torch.randn(1024, 1024, device="cuda"), torch.randn(1024, 1024, device="cuda")
+    torch.matmul(a, b)
+    torch.cuda.synchronize()
+    result["ms"] = 1000 * (time.perf_counter() - start)
+print(json.dumps(result))
 """
 
 
