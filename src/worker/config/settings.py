@@ -31,8 +31,8 @@ Outside this layer the environment is touched on purpose in these places only:
   ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
 - ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
   the engine's processes, which inherit them, unless the user set them (``_users_own``).
-- ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS and
-  RUNPOD_SKIP_GPU_CHECK, once the worker has read them (``fitness_settings``) to run the checks itself;
+- ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS,
+  RUNPOD_SKIP_GPU_CHECK and RUNPOD_FITNESS_CHECKS_DONE, once the worker has read them (``fitness_settings``) to run the checks itself;
 - ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
   vLLM's serving classes ask the worker's adapter registry for a name they do not know.
 

@@ -184,9 +184,9 @@ def _not_cached(request: RepoRequest, cache: Path, why: str) -> StartupError:
             variables=(request.variable, "HF_HUB_OFFLINE"))
     return StartupError(
         f"{_named(request)} is not in the Hugging Face cache at {cache} "
-        f"({_cached_revisions(cache, request.repo)}), which is read-only (RunPod's model cache), so it cannot be downloaded there: set "
-        f"{request.variable} and {request.revision_variable} to the model the endpoint caches, or cache "
-        "this one in the endpoint's settings",
+        f"({_cached_revisions(cache, request.repo)}), which is read-only (RunPod's model cache), so it "
+        f"cannot be downloaded there: set {request.variable} and {request.revision_variable} to the model "
+        "the endpoint caches, or cache this one in the endpoint's settings",
         variables=(request.variable, request.revision_variable))
 
 

@@ -98,10 +98,10 @@ def network(settings: FitnessSettings) -> str:
     return f"connected to {target} in {1000 * (time.perf_counter() - started):.0f} ms"
 
 
-def _nvidia_smi(*args: str) -> str | None:
+def _nvidia_smi() -> str | None:
     """``nvidia-smi``'s output, or None where it finds no GPU (not installed, no driver)."""
     try:
-        done = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=10, check=False)
+        done = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout if done.returncode == 0 and "NVIDIA-SMI" in done.stdout else None
