@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from worker.wire import nesting
 from worker.wire.body_envelope import Envelope
 from worker.wire.dialects import anthropic_status, is_anthropic_route
 from worker.wire.errors import error_item, error_response
@@ -133,8 +134,10 @@ class Endpoint:
         return job
 
     async def _body(self, request: web.Request) -> Any:
+        """The body's JSON. A part nested too deep for Python's parser stays ``nesting.Raw`` text, passed
+        on as it came: RunPod's parser takes such JSON, and refusing it is the worker's business."""
         try:
-            return json.loads(await request.read() or b"null")
+            return nesting.loads(await request.read() or b"null", levels=1)
         except ValueError as exc:
             raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {exc}"}),
                                      content_type="application/json") from None
@@ -256,7 +259,7 @@ class Endpoint:
             return web.Response(status=204)
         await asyncio.sleep(self.config.job_take_delay)
         payload = [{"id": j.id, "input": j.input} for j in jobs]
-        return web.json_response(payload if batch else payload[0])
+        return web.json_response(payload if batch else payload[0], dumps=nesting.dumps)
 
     async def job_stream(self, request: web.Request) -> web.Response:
         body = await self._body(request)

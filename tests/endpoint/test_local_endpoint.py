@@ -34,10 +34,13 @@ def adapters(models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def endpoint(tiny_env, adapters, tmp_path_factory):
     """Two tiny-model workers on one queue, with adapters by name from one folder; vLLM logs
-    requests, so aborts are visible."""
+    requests, so aborts are visible. A few jobs are queued before the workers ask for work
+    (``first_batch``)."""
     local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true", "HF_TOKEN": HF_TOKEN,
                            "LORA_DIRS": str(adapters)}, 2,
-                          tmp_path_factory.mktemp("endpoint") / "endpoint.log")
+                          tmp_path_factory.mktemp("endpoint") / "endpoint.log", ready_timeout=None)
+    local.first_batch = [local.http.post("/run", content=body).json()["id"] for body in FIRST_BATCH]
+    local.ready_after = local._wait_ready(2, 400)
     yield local
     spawned = descendants(local.proc.pid)
     workdirs = [os.readlink(f"/proc/{pid}/cwd") for pid in worker_pids(local).values()]
@@ -55,6 +58,18 @@ def embedding_endpoint(minilm_env, tmp_path_factory):
 
 
 client, model = openai_fixtures()
+
+
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+# Jobs queued before any worker asks: the first to ask takes them together, in one job-take batch
+# (its concurrency is 16 at first). The second is nested too deep for Python's JSON parser.
+FIRST_JOB = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 4, "ignore_eos": True}}
+FIRST_BATCH = [json.dumps({"input": FIRST_JOB}),
+               '{"input": {"prompt": "x", "deep": %s}}' % nested(1000),
+               json.dumps({"input": {**FIRST_JOB, "prompt": "The end"}})]
 
 
 def test_each_worker_passed_runpods_fitness_checks_once_before_loading(endpoint):
@@ -210,6 +225,36 @@ def test_a_request_parameter_at_the_top_level_is_refused_and_other_keys_are_igno
     job = endpoint.http.post("/runsync", json={"input": {**RAW, "note_for_later": "x"}}).json()
     assert job["status"] == "COMPLETED" and job["output"][0]["usage"]["output"] == 6
     assert "input keys 'note_for_later' are not read (ignored)" in endpoint.log()
+
+
+def test_a_job_nested_too_deep_fails_alone_and_the_rest_of_its_batch_is_answered(endpoint):
+    """The runpod SDK's reader failed the whole batch: its jobs, taken, stayed IN_PROGRESS."""
+    statuses = {}
+
+    def all_final() -> bool:
+        for job_id in set(endpoint.first_batch) - set(statuses):
+            status = endpoint.http.get(f"/status/{job_id}").json()
+            if status["status"] not in ("IN_QUEUE", "IN_PROGRESS"):
+                statuses[job_id] = status
+        return len(statuses) == len(endpoint.first_batch)
+
+    wait_for(all_final, 120)
+    first, deep, last = (statuses[job_id] for job_id in endpoint.first_batch)
+    assert first["workerId"] == deep["workerId"] == last["workerId"]  # one worker took them together
+    assert (first["status"], deep["status"], last["status"]) == ("COMPLETED", "FAILED", "COMPLETED")
+    assert first["output"][0]["usage"]["output"] == last["output"][0]["usage"]["output"] == 4
+    error = json.loads(deep["error"])
+    assert (error["code"], error["param"]) == (400, "input")
+    assert "the job input is nested more than 128 levels deep" in error["message"]
+
+
+def test_an_openai_request_nested_too_deep_gets_a_400_in_its_dialect(endpoint, model):
+    body = '{"model": "%s", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "tools": %s}'
+    for route in ("chat/completions", "messages"):
+        answer = endpoint.http.post(f"/openai/v1/{route}", content=body % (model, nested(999)))
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and "nested more than 128 levels deep" in error["message"]
+        assert ("code" in error) == (route == "chat/completions")  # Anthropic's shape has a type instead
 
 
 def test_stream_returns_chunks_before_the_job_ends(endpoint):

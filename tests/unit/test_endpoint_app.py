@@ -3,6 +3,7 @@ protocol): auth, limits, unknown ids, /health, the OpenAI relay, execution timeo
 
 import asyncio
 import json
+import re
 
 import anthropic
 import openai
@@ -97,6 +98,28 @@ def test_worker_protocol_round_trip():
     assert taken == {"id": job["id"], "input": {"prompt": "x"}}
     assert stream["status"] == "IN_PROGRESS" and stream["stream"] == [{"output": "part"}]
     assert status["status"] == "COMPLETED" and status["output"] == ["part"] and empty == 204
+
+
+def test_a_job_nested_too_deep_for_python_is_passed_on_as_it_came():
+    """As by RunPod, whose parser takes it: refusing it is the worker's business (a 400)."""
+    deep = "[" * 5000 + "]" * 5000
+
+    async def scenario(client):
+        for body in ('{"input": {"prompt": "x", "deep": %s}}' % deep, '{"input": {"prompt": "y"}}'):
+            await client.post("/v2/local/run", data=body)
+        relayed = asyncio.ensure_future(client.post("/v2/local/openai/v1/chat/completions",
+                                                    data='{"model": "m", "tools": %s}' % deep))
+        await asyncio.sleep(0.1)
+        batch = await client.get("/v2/local/job-take-batch/w1?gpu=x&batch_size=4&job_in_progress=0")
+        relayed.cancel()  # its client leaves: the job is cancelled
+        return await batch.text()
+
+    text = with_client(scenario)
+    ids = re.findall(r'"id": "(local-[^"]+)"', text)
+    assert text == ('[{"id": "%s", "input": {"prompt": "x", "deep": %s}}, '
+                    '{"id": "%s", "input": {"prompt": "y"}}, '
+                    '{"id": "%s", "input": {"openai_route": "/v1/chat/completions", "openai_input": '
+                    '{"model": "m", "tools": %s}}}]' % (ids[0], deep, ids[1], ids[2], deep))
 
 
 def test_health_has_runpods_worker_counts_and_each_workers_state():

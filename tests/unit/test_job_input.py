@@ -1,8 +1,11 @@
 """JobInput validation and sampling-parameter building (no engine)."""
 
+import json
+
 import pytest
 
 from worker.wire.errors import RequestError
+from worker.wire.nesting import MAX_DEPTH, Raw
 from worker.jobs.job_input import JobInput
 from worker.engine.sampling import DEFAULT_MAX_TOKENS, build_sampling_params
 from worker.vllm_adapter import RequestOutputKind
@@ -55,6 +58,17 @@ def test_invalid_inputs_name_the_field(payload, param, fragment):
 def test_non_object_inputs(job):
     with pytest.raises(RequestError, match="must be a JSON object"):
         JobInput.from_job(job)
+
+
+def test_an_input_nested_deeper_than_the_limit_is_refused_before_it_is_validated():
+    def nested(levels):  # the input itself is the first level
+        return json.loads('{"prompt": "x", "note": ' + "[" * (levels - 1) + "]" * (levels - 1) + "}")
+
+    assert parse(nested(MAX_DEPTH)).unread_keys == ["note"]
+    for payload in (nested(MAX_DEPTH + 1), Raw("[[]]")):  # Raw: too deep for Python's parser
+        with pytest.raises(RequestError, match=f"job input is nested more than {MAX_DEPTH} levels") as caught:
+            parse(payload)
+        assert caught.value.param == "input" and caught.value.status == 400
 
 
 def test_sampling_params_defaults_and_kind():

@@ -16,15 +16,21 @@ import pickle
 import threading
 from importlib.metadata import version
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from runpod.serverless import worker
 from runpod.serverless.modules import rp_job, rp_scale
 from runpod.serverless.modules.worker_state import JobsProgress
 
-from worker.scheduling import job_loop
+from worker.jobs.job_input import JobInput
+from worker.scheduling import job_loop, job_take
+from worker.wire.errors import RequestError
 
-# SHA-256 of the source of each SDK function JobLoop overrides or relies on, as read for
-# runpod 1.10.0. A change means JobLoop must be read against the new code again.
+# SHA-256 of the source of each SDK function JobLoop overrides or relies on (and rp_job.get_job,
+# which job_take.take_jobs copies), as read for runpod 1.10.0. A change means JobLoop must be read
+# against the new code again.
 SDK_SOURCES = {
     "JobScaler.__init__": "a6f8e34dff6a9dce",
     "JobScaler.current_occupancy": "b2aea650fe668006",
@@ -66,14 +72,42 @@ def test_the_sdk_code_job_loop_overrides_is_unchanged(name):
 
 def test_install_points_the_sdk_at_job_loop_only_when_enabled_and_pinned(monkeypatch, caplog):
     monkeypatch.setattr(rp_scale, "JobScaler", rp_scale.JobScaler)  # restored after the test
+    monkeypatch.setattr(rp_scale, "get_job", rp_job.get_job)
     sdk_scaler = rp_scale.JobScaler
-    assert job_loop.install(enabled=False) is False and rp_scale.JobScaler is sdk_scaler
     monkeypatch.setattr(job_loop, "version", lambda _name: "9.9.9")
     with caplog.at_level(logging.WARNING):
         assert job_loop.install() is False and rp_scale.JobScaler is sdk_scaler
-    assert "written for runpod 1.10.0, this is 9.9.9" in caplog.text
+    assert "written for runpod 1.10.0, this is 9.9.9" in caplog.text and rp_scale.get_job is rp_job.get_job
     monkeypatch.setattr(job_loop, "version", lambda _name: job_loop.SDK_VERSION)
+    # The SDK's own loop (JOB_LOOP=sdk) takes jobs as JobLoop does.
+    assert job_loop.install(enabled=False) is False and rp_scale.JobScaler is sdk_scaler
+    assert rp_scale.get_job is job_take.take_jobs
     assert job_loop.install() is True and rp_scale.JobScaler is job_loop.JobLoop
+
+
+def test_a_job_too_deep_to_parse_fails_alone_and_the_rest_of_its_batch_is_taken(monkeypatch):
+    """The SDK's job-take reader fails the whole batch (RunPod has marked its jobs taken: none would
+    be answered); ``take_jobs`` reads the others, and the handler refuses the deep one alone."""
+    deep = "[" * 5000 + "]" * 5000
+    answer = ('[{"id": "a", "input": {"prompt": "x"}}, {"id": "b", "input": {"x": %s}}, '
+              '{"id": "c", "input": {}}]')
+
+    async def take(fetch):
+        app = web.Application()
+        app.router.add_get("/job-take-batch/w", lambda _request: web.Response(
+            text=answer % deep, content_type="application/json"))
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
+            monkeypatch.setattr(rp_job, "JOB_GET_URL", str(server.make_url("/job-take/w?gpu=x")))
+            return await fetch(session, 3)
+
+    with pytest.raises(RecursionError):
+        asyncio.run(take(rp_job.get_job))
+    first, deep_job, last = asyncio.run(take(job_take.take_jobs))
+    assert first == {"id": "a", "input": {"prompt": "x"}} and last == {"id": "c", "input": {}}
+    assert deep_job["id"] == "b"
+    with pytest.raises(RequestError, match="the job input is nested more than 128 levels deep") as refused:
+        JobInput.from_job(deep_job)
+    assert refused.value.status == 400 and refused.value.param == "input"
 
 
 class Platform:

@@ -1,6 +1,7 @@
 """The load-balancing endpoint's ASGI app (``load_balancer/app``) with small stand-ins for vLLM's
-app and the handler: /ping per phase, refusals in each route's dialect, vLLM's errors in the
-route's dialect, deadlines ending a response, raw jobs' formats. The real worker behind it:
+app and the handler: /ping per phase, refusals in each route's dialect (a body past the limit,
+chunked too; JSON nested too deep), vLLM's errors in the route's dialect, deadlines ending a
+response, raw jobs' formats, the health port's own app. The real worker behind it:
 tests/worker/test_load_balancer_worker.py. Last, its server's sockets (``load_balancer/server``)."""
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ import sse_events
 
 from worker.config.settings import WorkerSettings
 from worker.jobs.deadlines import Deadlines
-from worker.load_balancer.app import Phase, Serving, WorkerApp
+import handler
+from worker.load_balancer.app import Phase, PingOnly, Serving, WorkerApp
 from worker.routes.asgi_client import request
 from worker.routes.route_table import Route, RouteTable
 from worker.wire.errors import StartupError, error_response
+from worker.wire.nesting import MAX_DEPTH
 
 ROUTES = RouteTable([Route("/v1/chat/completions", frozenset({"POST"})),
                      Route("/v1/messages", frozenset({"POST"})), Route("/tokenize", frozenset({"POST"})),
@@ -131,6 +134,82 @@ def test_a_body_over_the_limit_is_refused_before_vllm_or_the_handler_reads_it():
         assert status == 413 and "above the 1000" in text
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/runsync"])
+def test_a_body_sent_without_its_length_is_refused_once_it_passes_the_limit_and_the_rest_is_left_unread(path):
+    """Chunked: no Content-Length to refuse it by. The body is counted as it is read, and neither vLLM
+    nor the handler sees any of it."""
+    app, reads = serving_app()[0], []
+    app.serving = dataclasses.replace(app.serving, vllm_app=None, run_job=None)  # either would fail
+
+    async def receive():  # a client that would send 300 bytes at a time for ever
+        reads.append(300)
+        return {"type": "http.request", "body": b"x" * 300, "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": path,
+             "headers": [(b"content-type", b"application/json")]}
+    status, body = asyncio.run(answer(app, scope, receive))
+    assert status == 413 and "above the 1000 bytes" in str(body) and len(reads) == 4
+    if path == "/v1/messages":
+        assert body["error"]["type"] == "request_too_large"
+
+
+async def answer(app, scope, receive) -> tuple[int, dict]:
+    """The app's status and JSON body for one request, as the server would send them."""
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_a_body_nested_too_deep_gets_a_400_that_says_so_and_one_at_the_limit_reaches_vllm():
+    app, seen = serving_app(JOB_TIMEOUT=5)[0], []
+    app.max_body_bytes = 2**20
+
+    async def counting_app(scope, receive, send):
+        seen.append(scope["path"])
+        if scope["path"] == "/tokenize":  # a body it does not parse
+            return await respond(send, 200, {})
+        await vllm_app(scope, receive, send)
+
+    app.serving = dataclasses.replace(app.serving, vllm_app=counting_app)
+    for levels in (MAX_DEPTH + 1, 5000):  # the second, too deep for Python's parser
+        body = ('{"events": 1, "tools": ' + nested(levels - 1) + "}").encode()
+        for path, dialect in (("/v1/chat/completions", "code"), ("/v1/messages", "type")):
+            status, text = call(app, "POST", path, body)
+            error = json.loads(text)["error"]
+            assert status == 400 and dialect in error
+            assert "the request body is nested more than 128 levels deep" in error["message"]
+    assert seen == []
+    at_limit = ('{"events": 1, "tools": ' + nested(MAX_DEPTH - 1) + "}").encode()
+    assert call(app, "POST", "/v1/chat/completions", at_limit)[0] == 200 and seen == ["/v1/chat/completions"]
+    # A body not said to be JSON is vLLM's to answer.
+    assert call(app, "POST", "/tokenize", nested(5000).encode(), "text/plain")[0] == 200
+
+
+def test_a_job_input_too_deep_to_parse_is_the_handlers_400_as_on_the_queue():
+    app = serving_app()[0]
+    app.max_body_bytes = 2**20
+    app.serving = dataclasses.replace(app.serving, run_job=handler.handler)
+    for path in ("/runsync", "/stream"):
+        body = '{"input": {"prompt": "x", "deep": ' + nested(5000) + "}}"
+        status, text = call(app, "POST", path, body.encode())
+        error = json.loads(text)["error"]
+        error = json.loads(error) if path == "/runsync" else error  # RunPod's FAILED job: its error as text
+        assert status == 400 and error["param"] == "input"
+        assert "the job input is nested more than 128 levels" in error["message"]
+    # Split down to the input's keys: the error is in the dialect of the route the job names.
+    body = '{"input": {"openai_route": "/v1/messages", "openai_input": {"tools": ' + nested(5000) + "}}}"
+    status, text = call(app, "POST", "/runsync", body.encode())
+    assert status == 400 and json.loads(json.loads(text)["error"])["type"] == "invalid_request_error"
+
+
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
 def test_vllm_answers_pass_and_its_validation_errors_take_the_routes_dialect():
     app = serving_app()[0]
     status, text = call(app, "POST", "/v1/chat/completions", {"events": 3})
@@ -182,6 +261,18 @@ def test_drain_refuses_new_requests_and_ends_the_ones_in_flight_at_the_grace_per
     error = json.loads(sse_events.parse(text)[-1][1])["error"]
     assert error["code"] == 503 and "0.3 s grace period (SHUTDOWN_GRACE_PERIOD)" in error["message"]
     assert app.serving.deadlines.running == 0
+
+
+def test_a_health_port_of_its_own_answers_ping_and_nothing_else():
+    app = serving_app()[0]
+    health = PingOnly(app)
+    assert call(health, "GET", "/ping")[0] == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/runsync")):
+        status, text = call(health, method, path, {"events": 1})
+        assert status == 404 and "answers /ping only" in json.loads(text)["error"]["message"]
+    app.phase = Phase.DRAINING
+    assert call(health, "GET", "/ping")[0] == 503
+    assert call(PingOnly(WorkerApp()), "GET", "/ping")[0] == 204
 
 
 def call_in_loop_status(app) -> int:

@@ -5,10 +5,13 @@ several such workers: tests/endpoint/test_load_balancer.py."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -30,16 +33,19 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
 
 
 class Worker:
-    """The worker process, and every /ping status seen from its start until it served."""
+    """The worker process, and every /ping status seen from its start until it served. ``health_port``:
+    PORT_HEALTH, when not PORT."""
 
-    def __init__(self, env: dict[str, str], log_path) -> None:
+    def __init__(self, env: dict[str, str], log_path, health_port: int | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.health_port = health_port
+        ports = {"PORT": str(self.port), **({"PORT_HEALTH": str(health_port)} if health_port else {})}
         # A session of its own: a test that fails leaves no engine process behind (``kill``).
         self.proc = subprocess.Popen([sys.executable, HANDLER], stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, **CPU_ENV, **env, "ENDPOINT_TYPE": "load_balancer",
-                                          "PORT": str(self.port)}, start_new_session=True)
+                                          **ports}, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         self.pings: list[int | str] = []
 
@@ -75,7 +81,7 @@ def worker(models, tmp_path_factory):
     # that cannot end within the grace period on any machine the suite runs on.
     worker = Worker(engine_env(models["tiny-llama"], SHUTDOWN_GRACE_PERIOD=str(GRACE_SECONDS),
                                MAX_MODEL_LEN=str(LONG_CONTEXT), VLLM_ALLOW_LONG_MAX_MODEL_LEN="1"),
-                    tmp_path_factory.mktemp("lb-worker") / "worker.log")
+                    tmp_path_factory.mktemp("lb-worker") / "worker.log", health_port=free_port())
     worker.wait_serving()
     yield worker
     worker.kill()  # stopped already by the last test, unless a test failed
@@ -178,6 +184,83 @@ def test_a_body_over_the_balancers_limit_is_refused_before_it_is_read(worker):
                               headers={"content-type": "application/json"})
     assert answer.status_code == 413 and str(30 * 2**20) in answer.json()["error"]["message"]
     assert worker.ping() == 200
+
+
+def test_a_health_port_of_its_own_answers_ping_only(worker):
+    """PORT_HEALTH is for RunPod's /ping: the routes are served on PORT, on the engine's loop."""
+    health = httpx.Client(base_url=f"http://127.0.0.1:{worker.health_port}", timeout=30)
+    assert health.get("/ping").status_code == 200
+    for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/runsync")):
+        answer = health.request(method, path, json={"input": {"prompt": "x"}, "prompt": "x", "max_tokens": 2})
+        assert answer.status_code == 404 and "answers /ping only" in answer.json()["error"]["message"]
+    assert worker.http.get("/v1/models").status_code == 200
+
+
+def test_a_chunked_body_past_the_limit_is_refused_before_it_ends_while_a_stream_goes_on(worker, model):
+    """Chunked: no Content-Length says how large it is. The 413 comes once the limit is passed, while
+    the client still holds the request open; the rest is never read, and the worker serves on."""
+    client = openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0)
+    started = threading.Event()
+
+    def stream() -> int:
+        chunks = client.completions.create(model=model, prompt="Once upon a time", stream=True,
+                                           max_tokens=300, extra_body={"ignore_eos": True},
+                                           stream_options={"include_usage": True})
+        for chunk in chunks:
+            started.set()
+            usage = chunk.usage
+        return usage.completion_tokens
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(stream)
+        assert started.wait(60)
+        with socket.create_connection(("127.0.0.1", worker.port), timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: worker\r\n"
+                         b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            chunk = b"%x\r\n%s\r\n" % (2**20, b" " * 2**20)
+            for _ in range(30):
+                sock.sendall(chunk)
+            sock.sendall(b"1\r\n \r\n")  # one byte past the 30 MiB; the closing chunk never comes
+            status, body = read_response(sock)
+        assert status == 413 and str(30 * 2**20) in json.loads(body)["error"]["message"]
+        assert streaming.result(120) == 300
+    assert worker.ping() == 200
+
+
+def read_response(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length: its status and body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536) or pytest.fail(f"the connection closed: {data!r}")
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+    while len(body) < length:
+        body += sock.recv(65536) or pytest.fail(f"the connection closed: {data!r}")
+    return int(head.split()[1]), body
+
+
+def nested(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def test_a_body_nested_too_deep_gets_a_400_that_says_so_and_the_worker_serves_on(worker, model):
+    """~1,000 levels: too deep for Python's JSON parser. A raw job's is refused as a queue job's is;
+    a vLLM route's before vLLM reads it. No traceback in the log. At the limit, a job is served."""
+    logged = len(worker.log())
+    job = worker.http.post("/runsync", content='{"input": {"prompt": "x", "deep": %s}}' % nested(1000))
+    assert job.status_code == 400 and job.json()["status"] == "FAILED"
+    error = json.loads(job.json()["error"])
+    assert error["param"] == "input" and "the job input is nested more than 128 levels" in error["message"]
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "x"}], "tools": %s}' % (
+        model, nested(999))
+    for route, dialect in (("/v1/chat/completions", "code"), ("/v1/messages", "type")):
+        answer = worker.http.post(route, content=body, headers={"content-type": "application/json"})
+        assert answer.status_code == 400 and dialect in answer.json()["error"]
+        assert "the request body is nested more than 128 levels deep" in answer.json()["error"]["message"]
+    at_limit = '{"input": {"prompt": "x", "sampling_params": %s, "note": %s}}' % (
+        json.dumps(RAW_GREEDY), nested(127))
+    assert worker.http.post("/runsync", content=at_limit).json()["status"] == "COMPLETED"
+    assert "Traceback" not in worker.log()[logged:] and worker.ping() == 200
 
 
 def test_sigterm_drains_the_requests_in_flight_then_exits(worker, model):

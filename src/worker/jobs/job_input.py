@@ -4,7 +4,7 @@ Raw jobs carry ``prompt`` or ``messages`` plus ``sampling_params`` and stream ba
 OpenAI-route jobs carry ``openai_route`` and ``openai_input`` (the HTTP body), or, as worker-vllm
 2.24 and later, ``route``, ``body`` and ``method``. Other keys are kept as ``unread_keys``: the
 handler refuses a request parameter among them and warns about the rest (``engine/sampling``).
-Plain data: no vLLM here.
+An input nested deeper than ``wire/nesting.MAX_DEPTH`` is refused first. Plain data: no vLLM here.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from worker.wire import nesting
 from worker.wire.errors import RequestError
 
 __all__ = ["JobInput"]
@@ -91,6 +92,8 @@ class JobInput(BaseModel):
     def from_job(cls, job: Any) -> JobInput:
         """Validate a RunPod job; raises RequestError naming the offending field."""
         payload = job.get("input") if isinstance(job, dict) else None
+        if nesting.too_deep(payload):  # before anything recurses through it
+            raise RequestError(nesting.refusal("the job input"), param="input")
         if not isinstance(payload, dict):
             raise RequestError("the job's 'input' must be a JSON object", param="input")
         try:

@@ -21,6 +21,11 @@ RunPod's balancer sends each request, with the caller's path, straight to a work
 - anything else: a 404 naming the routes served (or, for the queue's ``/run``, ``/status``, ...,
   saying that there is no queue).
 
+A request body is read within RunPod's limit (``MAX_BODY_BYTES``): past it, a 413, and the rest is
+left unread, whether its Content-Length said so or not (a chunked body). A JSON body or job input
+nested deeper than ``wire/nesting.MAX_DEPTH`` gets a 400 that says so. On a health port of its own
+(PORT_HEALTH), ``PingOnly`` answers ``/ping`` and nothing else.
+
 Every request but ``/ping`` runs within the job deadlines (``jobs/deadlines``): the smaller of
 JOB_TIMEOUT and REQUEST_TIMEOUT (raw jobs: also their ``timeout``) and the grace period after
 SIGTERM, after which it ends with the worker's 408 or 503 error, as an error event when its stream
@@ -44,6 +49,7 @@ from typing import Any
 from worker.config.settings import WorkerSettings
 from worker.jobs.deadlines import DeadlinePassed, Deadlines, deadline_error
 from worker.routes.route_table import DENIED, Route, RouteTable
+from worker.wire import nesting
 from worker.wire.body_envelope import is_json
 from worker.wire.dialects import anthropic_status, is_anthropic_route
 from worker.wire.errors import ErrorPayload, StartupError, error_response
@@ -51,7 +57,7 @@ from worker.wire.sse import DONE, frame
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_BODY_BYTES", "Phase", "Serving", "WorkerApp"]
+__all__ = ["MAX_BODY_BYTES", "Phase", "PingOnly", "Serving", "WorkerApp"]
 
 MAX_BODY_BYTES = 30 * 2**20  # what RunPod's balancer passes, per request and per response (30 MB)
 JOB_ROUTES = ("/runsync", "/stream")
@@ -102,8 +108,13 @@ def _failed_job(job_id: str | None, error: ErrorPayload) -> dict[str, Any]:
     return {"id": job_id, "status": "FAILED", "error": str(error["error"])}
 
 
+def _header(scope: dict, name: bytes) -> str | None:
+    value = next((v for k, v in scope["headers"] if k == name), None)
+    return None if value is None else value.decode("latin-1")
+
+
 def _content_length(scope: dict) -> int | None:
-    value = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+    value = _header(scope, b"content-length")
     return int(value) if value is not None and value.isdigit() else None
 
 
@@ -111,12 +122,15 @@ class _BodyTooLarge(Exception):
     pass
 
 
-async def _read_body(receive: Callable, limit: int) -> bytes:
+async def _read_body(receive: Callable, limit: int) -> bytes | None:
+    """The request's body, read until it ends or passes ``limit`` (_BodyTooLarge: the rest is left
+    unread, however it is sent: chunked, or past a Content-Length that said less); None: the client
+    left."""
     chunks, size, more = [], 0, True
     while more:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
@@ -124,6 +138,29 @@ async def _read_body(receive: Callable, limit: int) -> bytes:
         chunks.append(chunk)
         more = message.get("more_body", False)
     return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Callable) -> Callable:
+    """``receive`` for vLLM's app: the body read already, then the client's own messages (vLLM's
+    routes watch them for a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+def _too_deep(scope: dict, body: bytes) -> bool:
+    """Whether a JSON body nests deeper than the worker serves (``wire/nesting``). FastAPI reads a
+    body without a content type as JSON too; one that is not JSON is vLLM's to answer."""
+    content_type = _header(scope, b"content-type")
+    if not body or (content_type is not None and not is_json(content_type)):
+        return False
+    try:
+        return nesting.too_deep(nesting.loads(body))
+    except ValueError:
+        return False
 
 
 @contextlib.asynccontextmanager
@@ -278,7 +315,8 @@ class WorkerApp:
         reply, (timeout, limit) = _Reply(send, route), serving.settings.timeout_for()
         try:
             async with serving.deadlines.scope(timeout):
-                await serving.vllm_app(scope, receive, reply.send)
+                if (body := await self._route_body(scope, receive, send)) is not None:
+                    await serving.vllm_app(scope, _replay(body, receive), reply.send)
         except DeadlinePassed as passed:
             grace = serving.settings.shutdown_grace_period
             await reply.end_with(deadline_error(f"Request {scope['method']} {path}", passed, timeout, grace,
@@ -286,16 +324,36 @@ class WorkerApp:
         if reply.status >= HTTPStatus.INTERNAL_SERVER_ERROR and serving.is_dead():
             serving.on_death()
 
-    async def _job(self, path: str, receive: Callable, send: Callable) -> None:
-        """A job on ``/runsync`` or ``/stream``, through the handler as a queue's job."""
+    async def _route_body(self, scope: dict, receive: Callable, send: Callable) -> bytes | None:
+        """A vLLM route's body, read whole (as vLLM would before it starts), or None: refused (too
+        large, or nested too deep) or its client left."""
+        path = scope["path"]
         try:
-            body = json.loads(await _read_body(receive, self.max_body_bytes) or b"null")
+            body = await _read_body(receive, self.max_body_bytes)
         except _BodyTooLarge:
-            return await self._refuse(send, path, HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                                      f"the request body is above the {self.max_body_bytes} bytes a "
-                                      "load-balancing endpoint passes")
+            await self._refuse(send, path, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._too_large())
+            return None
+        if body is not None and _too_deep(scope, body):
+            await self._refuse(send, path, HTTPStatus.BAD_REQUEST, nesting.refusal("the request body"))
+            return None
+        return body
+
+    def _too_large(self) -> str:
+        return f"the request body is above the {self.max_body_bytes} bytes a load-balancing endpoint passes"
+
+    async def _job(self, path: str, receive: Callable, send: Callable) -> None:
+        """A job on ``/runsync`` or ``/stream``, through the handler as a queue's job. An input too
+        deep to parse is kept as ``nesting.Raw``, which the handler refuses as a queue job's."""
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+            # Split down to the input's keys: the error's dialect is that of the route a job names.
+            body = None if raw is None else nesting.loads(raw or b"null", levels=2)
+        except _BodyTooLarge:
+            return await self._refuse(send, path, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._too_large())
         except ValueError as exc:
             return await self._refuse(send, path, HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}")
+        if raw is None:
+            return  # the client left: nothing to answer
         if not isinstance(body, dict) or "input" not in body:
             return await self._refuse(send, path, HTTPStatus.BAD_REQUEST, 'expected {"input": {...}}')
         job_input = body["input"]
@@ -336,3 +394,21 @@ class WorkerApp:
             item = None if isinstance(item, ErrorPayload) else await anext(items, None)
         done = f"data: {DONE}\n\n"
         await send({"type": "http.response.body", "body": b"" if last.endswith(done) else done.encode()})
+
+
+class PingOnly:
+    """The app on PORT_HEALTH when it is not PORT: ``/ping`` as ``WorkerApp`` answers it, anything
+    else a 404. The routes are served on PORT alone, where they run on the engine's loop (this port's
+    server runs on a small loop of its own)."""
+
+    def __init__(self, app: WorkerApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/ping":
+            return await self.app(scope, receive, send)
+        message = (f"route {scope['path']!r} is not served on this port (PORT_HEALTH), which answers /ping "
+                   "only: send requests to PORT")
+        await _send_json(send, HTTPStatus.NOT_FOUND, error_response(HTTPStatus.NOT_FOUND, message))

@@ -6,7 +6,9 @@ loop of its own: 204, starting. Once the engine is up, ``serve`` moves the app's
 engine's loop, where vLLM's app and AsyncLLM run: as in `vllm serve`, a request and its engine share
 one loop, with no thread hop per event. The listening sockets stay open through the move (each
 server is given duplicates of them): a connection that arrives meanwhile waits in the kernel's
-backlog, none is refused. A separate health port stays on the small loop.
+backlog, none is refused. A separate health port (PORT_HEALTH) has a server of its own on the small
+loop, from the start to the end, which answers ``/ping`` only (``PingOnly``): the routes are served
+on PORT alone, on the engine's loop.
 
 SIGTERM (RunPod stopping the worker) drains: ``/ping`` answers 503, new requests are refused, and
 those in flight get SHUTDOWN_GRACE_PERIOD to finish (then they end with a 503 error) before the
@@ -28,7 +30,7 @@ import uvicorn
 
 from worker.config.settings import EndpointKind
 from worker.engine.background_loop import BackgroundLoop
-from worker.load_balancer.app import Serving, WorkerApp
+from worker.load_balancer.app import PingOnly, Serving, WorkerApp
 from worker.wire.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def bind(port: int) -> socket.socket:
 class _Running:
     """A uvicorn server serving on a loop until stopped."""
 
-    def __init__(self, app: WorkerApp, loop: BackgroundLoop, sockets: list[socket.socket]) -> None:
+    def __init__(self, app: WorkerApp | PingOnly, loop: BackgroundLoop, sockets: list[socket.socket]) -> None:
         # No access log: a line per request (and per ping) is not an operator's event.
         config = uvicorn.Config(app, lifespan="off", ws="none", log_config=None, access_log=False,
                                 backlog=_BACKLOG, timeout_graceful_shutdown=_STOP_SECONDS)
@@ -76,11 +78,11 @@ class WorkerServer:
     def __init__(self, kind: EndpointKind) -> None:
         self.kind = kind
         self.app = WorkerApp()
-        self._sockets = [bind(kind.port)]
-        if kind.health_port != kind.port:
-            self._sockets.append(bind(kind.health_port))
+        self._socket = bind(kind.port)
+        health = bind(kind.health_port) if kind.health_port != kind.port else None
         self._side = BackgroundLoop("http-ping")
-        self._early = _Running(self.app, self._side, self._sockets)
+        self._early = _Running(self.app, self._side, [self._socket])
+        self._health = None if health is None else _Running(PingOnly(self.app), self._side, [health])
         self._stopping = threading.Event()
         log.info("Load-balancing endpoint: HTTP on port %d, /ping on port %d (204 until the worker serves)",
                  kind.port, kind.health_port)
@@ -103,15 +105,15 @@ class WorkerServer:
         if not self._stopping.wait(seconds):  # as startup/failed_start logs it
             log.error("Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit %d", status)
         self._early.stop()
+        if self._health:
+            self._health.stop()
 
     def serve(self, serving: Serving, engine_loop: BackgroundLoop) -> None:
         """Serve ``serving`` on the engine's loop until SIGTERM (or SIGINT), then drain and stop."""
         self._catch_signals()
         self._early.stop()
         self.app.serve(serving)
-        servers = [_Running(self.app, engine_loop, self._sockets[:1])]
-        if len(self._sockets) > 1:
-            servers.append(_Running(self.app, self._side, self._sockets[1:]))
+        servers = [_Running(self.app, engine_loop, [self._socket]), *filter(None, [self._health])]
         while not self._stopping.wait(0.5):  # a plain wait() would hold off the signal handler
             pass
         grace = serving.settings.shutdown_grace_period

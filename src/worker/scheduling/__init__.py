@@ -1,1 +1,1 @@
-"""Taking jobs: the job loop and adaptive concurrency."""
+"""Taking jobs: the job loop, the job-take request and adaptive concurrency."""

@@ -15,7 +15,8 @@ starts at once (before the next job-take request), a finished job wakes the fetc
 concurrency applies to the next fetch (a raised one, ``wake()``, wakes a full worker's fetcher), and a
 stop-channel poll that the server held open and ended empty is made again at once (and is
 dropped when the last job ends at shutdown).
-The rest (heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
+The job-take request is the SDK's too, but for how it reads the answer (``job_take``). The rest
+(heartbeat, job-stop channel, job handling, result posts, signal handling) is the SDK's.
 
 The overridden methods were read against one SDK version, ``SDK_VERSION`` (the pinned one): with
 another installed, ``install()`` leaves the SDK's loop in place and a warning says so. Nothing
@@ -37,6 +38,8 @@ from typing import Any
 from runpod.http_client import TooManyRequests
 from runpod.serverless.modules import rp_job, rp_scale
 from runpod.serverless.modules.worker_state import Job, JobsProgress
+
+from worker.scheduling.job_take import take_jobs
 
 log = logging.getLogger(__name__)
 
@@ -236,11 +239,14 @@ async def _wait(event: asyncio.Event, timeout: float) -> None:
 
 
 def install(enabled: bool = True) -> bool:
-    """Make ``runpod.serverless.start`` run ``JobLoop``; True when it will."""
+    """Make ``runpod.serverless.start`` run ``JobLoop``; True when it will. Either loop takes jobs
+    with ``job_take.take_jobs`` (a job nested too deep fails alone) under the SDK it was read against."""
+    installed = version("runpod")
+    if installed == SDK_VERSION:
+        rp_scale.get_job = take_jobs  # what JobScaler.__init__ makes its jobs_fetcher
     if not enabled:
         log.info("Job loop: the runpod SDK's own (JOB_LOOP=sdk)")
         return False
-    installed = version("runpod")
     if installed != SDK_VERSION:
         log.warning("Job loop: the runpod SDK's own, which polls (up to 0.1 s before a job starts, "
                     "1 s before a freed slot is refilled): JobLoop was written for runpod %s, "
