@@ -47,6 +47,7 @@ from worker.jobs.job_input import JobInput
 from worker.startup.process_exit import exit_on_sigterm, stop_then_exit
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import RequestError, StartupError, error_from_exception, error_response
+from worker.wire.redact import mask_log_records, mask_streams
 
 if TYPE_CHECKING:
     from worker.config.settings import EndpointKind, WorkerConfig, WorkerSettings
@@ -149,6 +150,9 @@ def _asks_anthropic(job: dict[str, Any]) -> bool:
 
 
 def _configure_logging() -> None:
+    # A URL's credentials (HF_ENDPOINT's) are masked in every line this process and vLLM's write.
+    mask_streams()
+    mask_log_records()
     logging.basicConfig(level=(env_value("LOG_LEVEL", os.environ) or "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -197,12 +201,12 @@ def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEng
     jobs = Concurrency(settings.min_concurrency, settings.max_concurrency, held=lambda: deadlines.running,
                        take_latency=settings.job_take_latency)
     # A fixed number needs no scheduler statistics (which cost the engine some CPU per token), and
-    # no gate: the jobs held all go to vLLM, as worker-vllm's do.
-    gate = None if jobs.fixed else Admission(lambda: jobs.kv)
+    # no KV budget: the jobs held all go to vLLM, as worker-vllm's do (the gate refuses n > MAX_N).
+    gate = Admission(lambda: jobs.kv, settings.max_n)
     engine = vLLMEngine(config, warm_up=False, on_load=None if jobs.fixed else jobs.observe,
-                        admitted=gate.admitted if gate else None)
+                        admitted=gate.admitted)
     jobs.set_cap(engine.max_concurrency)
-    if gate and (kv_cache := engine.kv_cache):  # else requests pass the gate uncounted
+    if not jobs.fixed and (kv_cache := engine.kv_cache):  # else requests pass the gate uncounted
         jobs.set_kv_cache(*kv_cache)
     if warm_up:
         engine.warm_up().result()
@@ -333,13 +337,14 @@ def main() -> None:
         server = _bind_ports(kind)
         config, jobs, cache_state = watchdog.run(lambda: _start(phase, watchdog, check_fitness))
     except StartupError as failure:
-        log.error("Worker could not start: %s", failure)
+        log.error("Worker could not start: %s", failure.logged)
         _answer_failure(failure, server)
     except Exception as exc:  # noqa: BLE001 - whatever it is, the callers are told
         log.exception("Worker startup failed")
         if vllm_engine is not None:  # it failed after the engine started: stop vLLM's processes
             vllm_engine.shutdown()
-        _answer_failure(StartupError(f"{type(exc).__name__}: {exc}"), server)
+        _answer_failure(StartupError(f"an unexpected {type(exc).__name__} during start-up (the worker's log "
+                                     "has its traceback)", detail=str(exc)), server)
     log.info("Worker ready: %s; start-up %s; compile cache %s",
              f"serving HTTP on port {kind.port}" if server else
              f"taking {jobs.floor} to {jobs.cap} concurrent jobs, {jobs.target} at first",
@@ -360,4 +365,6 @@ if __name__ == "__main__":
 elif __name__ == "__mp_main__":  # a vLLM process spawned by this worker: note why it fails to start
     from worker.vllm_adapter import note_engine_failures
 
+    mask_streams()  # as in the worker's process, which a forked one inherits
+    mask_log_records()
     note_engine_failures(in_engine_process=True)

@@ -53,7 +53,7 @@ from vllm.entrypoints.serve.exception_handling.error_response import (
 )
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.entrypoints.serve.engine.protocol import ErrorResponse, ModelCard, ModelPermission
-from vllm.exceptions import GracefulHTTPError, VLLMClientError
+from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMValidationError
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.model_executor.models.registry import ModelRegistry
@@ -76,8 +76,9 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import AggregateStatLoggerBase, PrometheusStatLogger
 from vllm.v1.metrics.stats import IterationStats
 
-from worker.env_text import env_value
+from worker.env_text import env_value, parse_bool
 from worker.wire.errors import RequestError
+from worker.wire.redact import mask_urls
 
 __all__ = [
     "Admitted", "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
@@ -92,6 +93,8 @@ __all__ = [
     "SamplingParams", "serve_adapters", "start_engine", "TokensPrompt", "unsupported_architectures",
     "validate_frontend_args", "visible_gpu_count", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
 ]
+
+log = logging.getLogger(__name__)
 
 VLLM_VERSION = vllm.__version__
 
@@ -311,7 +314,7 @@ def _note_failure(exc: BaseException) -> None:
     if not path:
         return
     frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
-    note = {"type": type(exc).__name__, "message": str(exc),
+    note = {"type": type(exc).__name__, "message": mask_urls(str(exc)),
             "out_of_memory": isinstance(exc, torch.OutOfMemoryError),
             "kv_cache_too_small": bool(frames & _KV_CACHE_CHECKS)}
     try:
@@ -395,7 +398,42 @@ def compiles(vllm_config: VllmConfig) -> bool:
     return vllm_config.compilation_config.mode != CompilationMode.NONE and not torch._dynamo.config.disable
 
 
-_SET_HERE: dict[str, str] = {}  # what _cpu_compile_cache set: a later engine of this process sets its own
+_SET_HERE: dict[str, str] = {}  # what _engine_process_env set: a later engine of this process sets its own
+# vLLM sends usage statistics (the hardware, the model's architecture, some settings) to its stats
+# server from the engine's first GPU worker unless this is "1" (or DO_NOT_TRACK is). A worker does
+# not report home unless its operator says so: VLLM_NO_USAGE_STATS=0.
+USAGE_STATS_ENV = "VLLM_NO_USAGE_STATS"
+
+
+def _engine_process_env(vllm_config: VllmConfig) -> None:
+    """The environment vLLM's engine processes start with, which they inherit from this one: the
+    worker's choices, each unless the user made their own. The one place the worker sets it."""
+    _no_usage_stats()
+    _cpu_compile_cache(vllm_config)
+
+
+def _no_usage_stats() -> None:
+    """VLLM_NO_USAGE_STATS=1 unless the operator set it to a false value (any boolean spelling; vLLM
+    reads only "1", so the value is written as vLLM reads it; anything else keeps the default)."""
+    value = env_value(USAGE_STATS_ENV, os.environ)
+    try:
+        setting = "1" if value is None or parse_bool(value) else "0"
+    except ValueError:
+        setting = "1"
+    if os.environ.get(USAGE_STATS_ENV) != setting:
+        os.environ[USAGE_STATS_ENV] = setting
+        _reread_envs()
+    if _SET_HERE.get(USAGE_STATS_ENV) != setting:  # logged once a process, and when it changes
+        _SET_HERE[USAGE_STATS_ENV] = setting
+        log.info("vLLM's usage statistics: %s", "not sent (VLLM_NO_USAGE_STATS=1)" if setting == "1" else
+                 "sent by vLLM unless DO_NOT_TRACK=1 (VLLM_NO_USAGE_STATS=0)")
+
+
+def _reread_envs() -> None:
+    """vLLM caches its variables in a process that ran an engine core: a changed one is read again."""
+    if vllm.envs._is_envs_cache_enabled():
+        vllm.envs.disable_envs_cache()
+        vllm.envs.enable_envs_cache()
 
 
 def _users_own(name: str) -> bool:
@@ -487,9 +525,18 @@ def _load_tap(on_load: LoadObserver) -> type[AggregateStatLoggerBase]:
     return LoadTap
 
 
-# ``admitted(prompt_tokens, max_tokens, n)``: entered before a request reaches vLLM, left when it has
-# ended (``engine/admission.Admission.admitted``).
-Admitted = Callable[[int, int | None, int], AbstractAsyncContextManager[None]]
+# ``admitted(prompt_tokens, max_tokens, n)``: called as a request reaches vLLM, raising RequestError
+# for one the worker refuses; its place (None: straight to vLLM), entered before vLLM sees the request
+# and left when it has ended (``engine/admission.Admission.admitted``).
+Admitted = Callable[[int, int | None, int], AbstractAsyncContextManager[None] | None]
+
+
+class RefusedRequest(VLLMValidationError):
+    """A request the worker refuses before vLLM sees it: vLLM's app answers its 400 (with the
+    parameter), as for its own validation; the raw path reads the same status."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
@@ -498,7 +545,7 @@ def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
     (on the CPU, with its compiled kernels kept as a cache entry; without Prometheus metrics);
     ``on_load`` gets the scheduler's state after each step (see ``_load_tap``): vLLM then collects
     statistics even with ``disable_log_stats`` (without logging them)."""
-    _cpu_compile_cache(vllm_config)
+    _engine_process_env(vllm_config)
     llm = AsyncLLM.from_vllm_config(
         vllm_config, usage_context=UsageContext.OPENAI_API_SERVER,
         enable_log_requests=engine_args.enable_log_requests,
@@ -510,19 +557,30 @@ def start_engine(vllm_config: VllmConfig, engine_args: AsyncEngineArgs,
 
 def gate_requests(llm: AsyncLLM, admitted: Admitted) -> None:
     """Every ``llm.generate`` (the raw path's, and vLLM's serving classes', which call the engine
-    client they were given: this llm) enters ``admitted`` with the request's size before vLLM sees
-    it, and leaves it when the request has ended, however it ends."""
+    client they were given: this llm) asks ``admitted`` with the request's size when it is called,
+    before vLLM's serving starts a response (a refusal is then its 400, streamed or not), enters its
+    place before vLLM sees the request, and leaves it when the request has ended, however it ends."""
     generate = llm.generate
 
-    async def generate_once_admitted(prompt, sampling_params: SamplingParams, request_id: str,
-                                     *args, **kwargs) -> AsyncIterator[RequestOutput]:
-        async with (admitted(prompt_tokens(prompt), sampling_params.max_tokens, sampling_params.n),
-                    # closed with this one: vLLM aborts the request now, not when it is collected
-                    aclosing(generate(prompt, sampling_params, request_id, *args, **kwargs)) as outputs):
-            async for output in outputs:
-                yield output
+    def generate_once_admitted(prompt, sampling_params: SamplingParams, request_id: str,
+                               *args, **kwargs) -> AsyncIterator[RequestOutput]:
+        try:
+            place = admitted(prompt_tokens(prompt), sampling_params.max_tokens, sampling_params.n)
+        except RequestError as refused:
+            raise RefusedRequest(str(refused), parameter=refused.param) from None
+        if place is None:  # not gated: no layer between the caller and vLLM
+            return generate(prompt, sampling_params, request_id, *args, **kwargs)
+        return _through(place, lambda: generate(prompt, sampling_params, request_id, *args, **kwargs))
 
     llm.generate = generate_once_admitted
+
+
+async def _through(place: AbstractAsyncContextManager[None],
+                   start: Callable[[], AsyncIterator[RequestOutput]]) -> AsyncIterator[RequestOutput]:
+    """vLLM's outputs, from inside ``place``: vLLM sees the request once it is entered."""
+    async with place, aclosing(start()) as outputs:  # closed with this one: vLLM aborts it now
+        async for output in outputs:
+            yield output
 
 
 def prompt_tokens(prompt) -> int:
@@ -630,9 +688,7 @@ def _allow_adapters_by_name() -> None:
     call) and a warning that they are on. vLLM caches its variables in a process that ran an
     engine core: the cache is made again."""
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    if vllm.envs._is_envs_cache_enabled():
-        vllm.envs.disable_envs_cache()
-        vllm.envs.enable_envs_cache()
+    _reread_envs()
 
 
 def max_cpu_loras(llm: AsyncLLM) -> int:

@@ -175,9 +175,10 @@ def test_a_revision_runpods_model_cache_does_not_hold_is_a_start_up_failure_sayi
                              tmp_path / "endpoint.log")
     try:
         message = answered(endpoint, "MODEL_NAME='org/smol' (revision v1, MODEL_REVISION) is not in the "
-                                     f"Hugging Face cache at {home / 'hub'} (it holds main, {snapshot.name}), "
+                                     f"Hugging Face cache (HF_HOME; it holds main, {snapshot.name}), "
                                      "which is read-only (RunPod's model cache)")
         assert "set MODEL_NAME and MODEL_REVISION to the model the endpoint caches" in message
+        assert f"[the cache: {home / 'hub'}]" in endpoint.log()  # its path: the log's
         assert len(hub.downloads) == downloads
     finally:
         endpoint.stop()

@@ -4,7 +4,9 @@ client and the anthropic client (503, naming what to change), while the worker s
 Then the two ends of the answer window: a worker that exits when it ends (and is restarted by the
 endpoint), and one that exits at once (STARTUP_FAILURE_ANSWER_SECONDS=0). Out-of-memory retries:
 the engine's own KV-cache error, once with a length the user chose (answered), once without
-(tried again with vLLM fitting the length, and served)."""
+(tried again with vLLM fitting the length, and served). Last, what callers are told and what only
+the log has: a mirror's address with credentials (masked in the log too), the cache's path, vLLM's
+own text (the KV-cache case above)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import anthropic
 import openai
 import pytest
 from conftest import engine_env, wait_for
-from local_endpoint import API_KEY, LocalEndpoint
+from dev_env import free_port
+from local_endpoint import API_KEY, LocalEndpoint, failed_start_answers
 
 from tests.image.local_hub import LocalHub
 
@@ -146,9 +149,11 @@ ENGINE_FAILURES = {
     # vLLM's own error where the GPU's out-of-memory would be: a KV cache that cannot hold one
     # request of the MAX_MODEL_LEN the user chose (2 MB needed, 1 MB given). Not tried again.
     "KV cache too small": (lambda models, tmp_path: engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES="1m"),
-                           "the KV cache cannot hold one request of max_model_len (ValueError: To serve at "
-                           "least one request with the model's max seq len (2048)"),
+                           "the KV cache cannot hold one request of max_model_len (vLLM's figures are in the "
+                           "worker's log); set MAX_MODEL_LEN lower"),
 }
+# What the log has and callers do not: vLLM's own text.
+LOGGED_ONLY = {"KV cache too small": "[ValueError: To serve at least one request with the model's"}
 
 
 @pytest.mark.parametrize("case", ENGINE_FAILURES)
@@ -156,8 +161,52 @@ def test_a_configuration_or_engine_failure_is_answered_on_every_job(models, tmp_
     make_env, fragment = ENGINE_FAILURES[case]
     endpoint = start(tmp_path, make_env(models, tmp_path))
     try:
-        answered(endpoint, fragment)
-        assert "trying once more" not in endpoint.log()
+        message = answered(endpoint, fragment)
+        log = endpoint.log()
+        assert "trying once more" not in log
+        if logged := LOGGED_ONLY.get(case):
+            assert logged in log and logged.strip("[") not in message
+    finally:
+        endpoint.stop()
+
+
+# --- what callers are told, and what only the log has ---------------------------------------------
+
+SECRET = "s3cret-pw"
+
+
+@pytest.mark.parametrize("args", [(), ("--load-balancer",)], ids=["queue", "load-balancer"])
+def test_a_mirrors_address_and_credentials_reach_no_caller_and_no_log_line(tmp_path, args):
+    """HF_ENDPOINT names a mirror with credentials, on a port nothing listens on: callers learn that
+    the hub (HF_ENDPOINT) cannot be reached; the log has the address, its credentials masked."""
+    port = free_port()
+    env = {"HF_ENDPOINT": f"http://mirror-user:{SECRET}@127.0.0.1:{port}", "HF_HUB_OFFLINE": "0",
+           "HF_HOME": str(tmp_path / "hf-home"), "MODEL_NAME": "org/smol", "HF_TOKEN": "",
+           "VLLM_CONFIG_FILE": "/nonexistent/vllm_config.yaml",
+           "LOCAL_MODEL_ARGS_FILE": "/nonexistent/local_model_args.json"}
+    fragment = "MODEL_NAME='org/smol': download failed: cannot reach the hub (HF_ENDPOINT)"
+    endpoint = LocalEndpoint(env, 1, tmp_path / "endpoint.log", args=args,
+                             ready_timeout=None if args else 400)
+    try:
+        messages = failed_start_answers(endpoint) if args else [answered(endpoint, fragment)]
+        for message in messages:
+            assert fragment in message and SECRET not in message and f":{port}" not in message
+        log = endpoint.log()
+        assert "trying once more" in log and f"HF_ENDPOINT=http://***@127.0.0.1:{port}" in log
+        assert SECRET not in log and "mirror-user" not in log
+    finally:
+        endpoint.stop()
+
+
+def test_the_caches_path_stays_in_the_log(models, tmp_path):
+    cache = tmp_path / "hf-home"
+    env = engine_env(models["tiny-llama"], MODEL_NAME="org/absent", HF_HOME=str(cache), HF_HUB_OFFLINE="1")
+    endpoint = start(tmp_path, env)
+    try:
+        message = answered(endpoint, "MODEL_NAME='org/absent' is not in the Hugging Face cache (HF_HOME), "
+                                     "and HF_HUB_OFFLINE is set")
+        assert str(tmp_path) not in message
+        assert f"[the cache: {cache / 'hub'}]" in endpoint.log()
     finally:
         endpoint.stop()
 

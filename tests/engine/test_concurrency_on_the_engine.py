@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 
 import pytest
@@ -185,3 +186,99 @@ def test_a_gated_stream_closed_between_outputs_closes_vllms_at_once():
         assert closed == ["r-1"] and budget.admitted == 0
 
     asyncio.run(scenario())
+
+
+# --- what the gate refuses: n above MAX_N, and a request larger than the whole cache ---------------
+
+
+def _completions(tiny_openai, **body) -> dict:
+    return {"openai_route": "/v1/completions", "openai_input": {
+        "model": tiny_openai.served_model_name, "prompt": "Once upon a time", "ignore_eos": True, **body}}
+
+
+def _refusal(items: list) -> tuple[int, str | None, str]:
+    (item,) = items
+    error = item["error"]
+    return error["code"], error["param"], error["message"]
+
+
+def _load_balancer(tiny_engine, tiny_openai):
+    """The load-balancing endpoint's app in this process, on the engine's loop as a worker serves it:
+    ``call(path, body)`` → (HTTP status, body)."""
+    from worker.load_balancer.app import Serving, WorkerApp
+    from worker.routes.asgi_client import request
+
+    app = WorkerApp()
+    app.serve(Serving(tiny_openai.app, tiny_openai.routes, handler.handler, handler.deadlines,
+                      tiny_engine.settings, is_dead=lambda: False, on_death=lambda: None))
+
+    async def answer(path: str, body: dict) -> tuple[int, dict]:
+        async with request(app, "POST", path, body, "application/json") as response:
+            return response.status, json.loads(b"".join([chunk async for chunk in response.body]))
+
+    return lambda path, body: tiny_engine.loop.run(answer(path, body))
+
+
+async def _run(job_id: str, job: dict) -> list:
+    return [item async for item in handler.handler({"id": job_id, "input": job})]
+
+
+async def _until(condition) -> None:
+    async with asyncio.timeout(60):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once_and_nothing_in_flight_is_lost(
+            gated, tiny_engine, tiny_openai, monkeypatch):
+    budget, gate = gated
+    monkeypatch.setattr(handler, "openai_engine", tiny_openai)
+    long_job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
+    never = {  # each above the 10 blocks the whole budget holds
+        "raw, n=11": {"prompt": "Once upon a time", "sampling_params": {"n": 11, "max_tokens": 64}},
+        "raw, 1,500 tokens": {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1500}},
+        "streamed completions, n=11": _completions(tiny_openai, n=11, max_tokens=64, stream=True),
+        "completions, 1,500 tokens": _completions(tiny_openai, max_tokens=1500),
+    }
+
+    async def scenario() -> tuple[list, list, dict, tuple]:
+        running = asyncio.create_task(_run("fit-0", long_job))  # 9 blocks
+        await _until(lambda: budget.admitted == 1)
+        waiting = asyncio.create_task(_run("fit-1", long_job))  # waits for the first one's room
+        await _until(lambda: gate.waiting == 1)
+        refused = {case: _refusal(await _run(f"never-{i}", job))
+                   for i, (case, job) in enumerate(never.items())}
+        during = (budget.admitted, gate.waiting)  # the refusals did not wait for them
+        return await running, await waiting, refused, during
+
+    first, second, refused, during = asyncio.run(scenario())
+    assert during == (1, 1)
+    for case, (code, param, message) in refused.items():
+        assert code == 400 and "can never fit the worker's KV cache" in message, case
+        assert param == ("n" if "n=11" in case else "max_tokens"), case
+    assert "the whole cache holds 10" in refused["raw, n=11"][2]
+    assert first[0]["usage"]["output"] == second[0]["usage"]["output"] == 1000  # nothing in flight lost
+    assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)
+    # A load-balancing endpoint's routes and jobs: the same 400, a stream's before it starts.
+    call = _load_balancer(tiny_engine, tiny_openai)
+    status, body = call("/v1/completions", never["streamed completions, n=11"]["openai_input"])
+    assert status == 400 and body["error"]["param"] == "n"
+    status, body = call("/runsync", {"input": never["raw, n=11"]})
+    assert (status, body["status"]) == (400, "FAILED")
+    assert "can never fit" in json.loads(body["error"])["message"]
+
+
+def test_n_above_max_n_is_refused_naming_it(gated, tiny_engine, tiny_openai, monkeypatch):
+    _, gate = gated
+    monkeypatch.setattr(gate, "max_n", 4, raising=False)
+    monkeypatch.setattr(handler, "openai_engine", tiny_openai)
+    jobs = {"raw": {"prompt": "Once upon a time", "sampling_params": {"n": 5, "max_tokens": 2}},
+            "completions": _completions(tiny_openai, n=5, max_tokens=2, stream=True)}
+    for case, job in jobs.items():
+        code, param, message = _refusal(asyncio.run(_run(case, job)))
+        assert (code, param) == (400, "n") and message.startswith("n=5 is above MAX_N=4"), case
+    call = _load_balancer(tiny_engine, tiny_openai)
+    status, body = call("/v1/completions", jobs["completions"]["openai_input"])
+    assert status == 400 and body["error"]["message"].startswith("n=5 is above MAX_N=4")
+    (item,) = asyncio.run(_run("four", {"prompt": "Once", "sampling_params": {"n": 4, "max_tokens": 2}}))
+    assert len(item["choices"]) == 4  # at MAX_N: served

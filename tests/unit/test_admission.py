@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from worker.engine.admission import Admission
 from worker.scheduling.concurrency import KvBudget
+from worker.wire.errors import RequestError
 
 
 async def settle() -> None:
@@ -79,10 +82,57 @@ def test_a_request_that_fails_in_vllm_gives_its_room_back():
     asyncio.run(scenario())
 
 
-def test_before_the_cache_is_known_requests_enter_at_once_uncounted():
+def test_before_the_cache_is_known_requests_go_straight_to_vllm_uncounted():
+    assert Admission(lambda: None).admitted(10_000, 10_000) is None  # no place: no layer before vLLM
+
+
+def test_a_request_above_max_n_is_refused_whatever_the_budget():
+    for budget in (None, KvBudget(blocks=4, block_size=128)):
+        with pytest.raises(RequestError, match=r"^n=9 is above MAX_N=8") as refused:
+            Admission(lambda budget=budget: budget, max_n=8).admitted(10, 10, n=9)
+        assert (refused.value.param, refused.value.status) == ("n", 400)
+    assert Admission(lambda: None, max_n=8).admitted(10, 10, n=8) is None
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_once_and_the_queue_is_unchanged():
     async def scenario() -> None:
-        gate = Admission(lambda: None)
-        async with gate.admitted(10_000, 10_000):
-            assert gate.waiting == 0
+        budget = KvBudget(blocks=6, block_size=128)
+        gate, entered = Admission(lambda: budget), []
+        leave = asyncio.Event()
+        tasks = [asyncio.create_task(_hold(gate, name, blocks, entered, leave))
+                 for name, blocks in (("running", 4), ("waiting", 4))]
+        await settle()
+        assert entered == ["running"] and gate.waiting == 1 and budget.used == 4
+        sizes = budget.requests_that_fit()
+        # 7 completions of one block each: above the 6 blocks the whole cache holds, so it can never run.
+        with pytest.raises(RequestError, match="can never fit the worker's KV cache: with n=7") as refused:
+            gate.admitted(10, 100, n=7)
+        assert refused.value.param == "n"
+        with pytest.raises(RequestError, match="needs about 7 blocks") as refused:
+            gate.admitted(6 * 128, 100)  # one sequence: its prompt and output need 7 blocks
+        assert refused.value.param == "max_tokens"
+        # Nothing in flight or waiting was touched, nor the sizes the jobs to hold are planned from.
+        assert (budget.used, budget.admitted, gate.waiting, budget.requests_that_fit()) == (4, 1, 1, sizes)
+        leave.set()
+        await asyncio.gather(*tasks)
+        assert entered == ["running", "waiting"] and (budget.used, budget.admitted) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_fits_the_whole_cache_alone_still_enters_once_the_others_leave():
+    async def scenario() -> None:
+        budget = KvBudget(blocks=6, block_size=128)
+        gate, entered = Admission(lambda: budget), []
+        leave = {name: asyncio.Event() for name in ("small", "whole")}
+        tasks = [asyncio.create_task(_hold(gate, name, blocks, entered, leave[name]))
+                 for name, blocks in (("small", 1), ("whole", 6))]
+        await settle()
+        assert entered == ["small"] and gate.waiting == 1
+        leave["small"].set()
+        await settle()
+        assert entered == ["small", "whole"] and budget.used == 6
+        leave["whole"].set()
+        await asyncio.gather(*tasks)
 
     asyncio.run(scenario())

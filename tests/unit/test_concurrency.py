@@ -326,9 +326,8 @@ def test_a_prompt_prefix_the_recent_requests_found_cached_is_planned_once():
 
 def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters():
     kv = KvBudget(blocks=10, block_size=128)
-    assert kv.requests_that_fit() is None  # no request seen yet: nothing to size jobs by
-    big = kv.need(1000, 2000)  # 24 blocks: more than the whole cache
-    assert kv.fits(big)  # alone: vLLM judges it (it may still run, or answer it cannot)
+    big = kv.need(1000, 280)  # 10 blocks: the whole cache
+    assert not kv.never_fits(big) and kv.fits(big)  # alone, it enters
     kv.admit(big)
     assert not kv.fits(1)
     kv.release(big)
@@ -337,6 +336,16 @@ def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters
         kv.admit(kv.need(79, 128))  # 2 blocks each
     assert (kv.used, kv.admitted) == (8, 4)
     assert kv.fits(2) and not kv.fits(3)
+
+
+def test_a_request_larger_than_the_whole_cache_never_fits_and_is_not_counted_among_the_jobs():
+    kv = KvBudget(blocks=10, block_size=128, context=2048)
+    assert kv.requests_that_fit() is None  # no request seen yet: nothing to size jobs by
+    assert kv.never_fits(kv.need(1000, 2000))  # 24 blocks as asked, 16 within the context: above 10
+    assert kv.never_fits(kv.need(10, 100, n=11))  # 11 sequences of one block each
+    assert kv.requests_that_fit() is None  # neither says anything about the jobs to hold
+    # A sequence never passes the context: a long prompt with no max_tokens is planned to its end.
+    assert kv.need(1900, None) == 16 and KvBudget(16, 128, context=2048).need(1900, None) == 16
 
 
 def test_what_fits_counts_the_requests_in_vllm_and_mixed_sizes_by_their_mean():

@@ -12,6 +12,7 @@ import pytest
 
 from worker.model import preflight
 from worker.wire.errors import StartupError
+from worker.wire.redact import mask_urls
 from worker.model.preflight import ModelRequest, RepoRequest, prepare
 from worker.config.settings import model_request
 from tests.unit.test_local_hub import LATEST, OTHER, RELEASE, REVOKED, TOKEN, TOKENIZER
@@ -70,8 +71,9 @@ def test_a_hub_slower_than_model_preflight_timeout_is_a_transient_failure_naming
     hub.add_repo("org/model", RELEASE)
     hub.api_delay = 5
     error = failure(RepoRequest("org/model", None, "MODEL_NAME", "MODEL_REVISION", timeout=0.3))
-    assert f"MODEL_NAME='org/model': the hub at {hub.url} did not answer within 0.3 s (MODEL_PREFLIGHT_TIMEOUT)" \
-        == str(error) and error.transient
+    assert str(error) == "MODEL_NAME='org/model': the hub (HF_ENDPOINT) did not answer within 0.3 s " \
+        "(MODEL_PREFLIGHT_TIMEOUT)" and error.transient
+    assert error.detail == f"HF_ENDPOINT={hub.url}"  # a mirror's address: in the log only
 
 
 def test_each_step_is_told_with_the_downloads_progress(hub, cache):
@@ -92,6 +94,19 @@ def test_an_unreachable_hub_is_transient(hub, cache):
     hub.stop()
     error = failure()
     assert error.transient and "cannot reach the hub" in str(error)
+
+
+def test_a_mirrors_address_and_the_exceptions_text_are_left_to_the_log(hub, cache, monkeypatch):
+    """A mirror given with credentials (``HF_ENDPOINT=http://user:password@host``): a caller learns
+    what failed and the variable; the log gets the address, its credentials masked there."""
+    mirror = hub.url.replace("http://", "http://mirror-user:s3cret-pw@")
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", mirror)
+    hub.stop()
+    error = failure()
+    assert str(error) == error.answer == \
+        "MODEL_NAME='org/model': download failed: cannot reach the hub (HF_ENDPOINT)"
+    assert error.detail.startswith("ConnectError: ") and error.detail.endswith(f"HF_ENDPOINT={mirror}")
+    assert "s3cret-pw" not in mask_urls(error.logged) and "http://***@127.0.0.1" in mask_urls(error.logged)
 
 
 def test_downloads_the_pinned_revision_and_one_weight_format(hub, cache):
@@ -134,7 +149,8 @@ def test_offline_the_cache_serves_and_a_cold_cache_is_named(hub, cache, monkeypa
     model, _ = prepare(ModelRequest(MODEL))
     assert model.commit == release
     error = failure(RepoRequest("org/other", None, "MODEL_NAME", "MODEL_REVISION"))
-    assert "is not in the Hugging Face cache" in str(error) and "HF_HUB_OFFLINE" in error.variables
+    assert "is not in the Hugging Face cache (HF_HOME)" in str(error) and "HF_HUB_OFFLINE" in error.variables
+    assert str(cache) not in str(error) and error.detail == f"the cache: {cache}"  # the path: the log's
 
 
 def test_too_little_free_space_is_named_before_anything_downloads(hub, cache, monkeypatch):
@@ -142,7 +158,9 @@ def test_too_little_free_space_is_named_before_anything_downloads(hub, cache, mo
     # A stand-in for the disk here; tests/endpoint measures a real one that is too small.
     monkeypatch.setattr(preflight, "_free_bytes", lambda path: 5_000)
     error = failure()
-    assert "needs 0.00 GB more in the Hugging Face cache" in str(error) and "BASE_PATH" in error.variables
+    assert "needs 0.00 GB more in the Hugging Face cache (HF_HOME)" in str(error)
+    assert "BASE_PATH" in error.variables
+    assert str(cache) not in str(error) and str(cache) in error.logged
     assert hub.downloads == []
 
 

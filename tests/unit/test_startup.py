@@ -30,7 +30,8 @@ def tiny(models):
 def test_a_kv_cache_too_small_for_a_length_nobody_chose_is_tried_with_vllm_fitting_it(tiny):
     failure = engine_failure(RuntimeError("Engine core initialization failed"), KV_NOTE, tiny(MAX_MODEL_LEN=""))
     assert failure.transient and failure.retry == {"max_model_len": -1}
-    assert str(failure).startswith("the KV cache cannot hold one request of max_model_len (ValueError: To serve")
+    assert str(failure).startswith("the KV cache cannot hold one request of max_model_len (vLLM's figures")
+    assert failure.detail == "ValueError: To serve at least one request ..."  # vLLM's text: the log's
     chosen = engine_failure(RuntimeError(), KV_NOTE, tiny(MAX_MODEL_LEN="2048"))
     assert not chosen.transient and "MAX_MODEL_LEN" in chosen.variables
 
@@ -38,16 +39,19 @@ def test_a_kv_cache_too_small_for_a_length_nobody_chose_is_tried_with_vllm_fitti
 def test_out_of_memory_is_tried_with_less_memory_unless_the_user_chose_it(tiny):
     failure = engine_failure(RuntimeError(), OOM_NOTE, tiny())
     assert failure.transient and failure.retry == {"gpu_memory_utilization": 0.85}  # the worker's 0.95
-    assert "out of memory while the engine started (OutOfMemoryError: CUDA out of memory)" in str(failure)
+    assert str(failure).startswith("out of memory while the engine started; set GPU_MEMORY_UTILIZATION")
+    assert failure.detail == "OutOfMemoryError: CUDA out of memory"
     assert not engine_failure(RuntimeError(), OOM_NOTE, tiny(GPU_MEMORY_UTILIZATION="0.9")).transient
 
 
-def test_any_other_engine_failure_is_answered_with_what_the_engine_raised(tiny):
-    failure = engine_failure(RuntimeError("init failed"), {**OOM_NOTE, "out_of_memory": False,
-                                                          "type": "KeyError", "message": "'x'"}, tiny())
-    assert str(failure) == "the engine failed to start: KeyError: 'x'" and not failure.transient
-    assert str(engine_failure(RuntimeError("init failed"), None, tiny())) == \
-        "the engine failed to start: RuntimeError: init failed"
+def test_any_other_engine_failure_is_answered_with_its_kind_and_logged_with_what_the_engine_raised(tiny):
+    note = {**OOM_NOTE, "out_of_memory": False, "type": "KeyError", "message": "'/models/x'"}
+    failure = engine_failure(RuntimeError("init failed"), note, tiny())
+    assert str(failure) == "the engine failed to start (KeyError; the worker's log has vLLM's error)"
+    assert failure.detail == "KeyError: '/models/x'" and not failure.transient
+    failure = engine_failure(RuntimeError("init failed"), None, tiny())
+    answer = "the engine failed to start (RuntimeError; the worker's log has vLLM's error)"
+    assert (failure.answer, failure.logged) == (answer, f"{answer} [RuntimeError: init failed]")
 
 
 @pytest.mark.parametrize(("env", "estimate", "expected"), [
@@ -87,6 +91,14 @@ def test_a_job_gets_the_failure_in_its_routes_dialect(route, body):
     assert json.loads(str(item["error"])) == body
 
 
+def test_a_job_gets_no_local_path_nor_a_urls_credentials():
+    failure = ConfigError("invalid configuration:\n  env MODEL_NAME='/models/x': no such directory\n"
+                          "  env SPECULATIVE_MODEL: cannot reach 'http://user:pw@mirror:8080/org/x'")
+    message = json.loads(str(failed_start.failure_item(failure, {"input": {}})["error"]))["message"]
+    assert message == ("the worker could not start: invalid configuration:\n  env MODEL_NAME='<path>': no "
+                       "such directory\n  env SPECULATIVE_MODEL: cannot reach 'http://***@mirror:8080/org/x'")
+
+
 def test_exit_status_says_whether_settings_must_change():
     assert failed_start.exit_status(ConfigError("invalid configuration: ...")) == 2
     assert failed_start.exit_status(StartupError("MODEL_NAME: no such repo", variables=("MODEL_NAME",))) == 2
@@ -110,14 +122,16 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
     def prepare(request, on_phase):
         calls.append(request)
         if len(calls) == 1:
-            raise StartupError("download failed: cannot reach the hub", transient=True)
+            raise StartupError("download failed: cannot reach the hub", detail="the mirror", transient=True)
         return "snapshots"
 
     monkeypatch.setattr(steps, "RETRY_PAUSE_SECONDS", 0)
     monkeypatch.setattr(preflight, "prepare", prepare)
     monkeypatch.setattr("worker.config.settings.model_request", lambda: "org/model")
     assert steps.fetch_model(print) == "snapshots" and len(calls) == 2
-    assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub" in caplog.text
+    # With its detail: the log's.
+    assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub " \
+        "[the mirror]" in caplog.text
 
     def gone(request, on_phase):
         calls.append(request)

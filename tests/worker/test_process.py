@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -235,3 +236,41 @@ def test_openai_route_job_over_http(rp_api):
         "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}}})
     (completion,) = result["output"]
     assert completion["object"] == "chat.completion" and completion["usage"]["completion_tokens"] <= 4
+
+
+def test_vllms_engine_processes_send_no_usage_statistics_by_default(models, tmp_path):
+    """vLLM reports usage from its engine's first GPU worker, in the engine's process, unless
+    VLLM_NO_USAGE_STATS=1 there (or DO_NOT_TRACK); the operator set none of them. A spawned process's
+    environment is readable in /proc as it started (a forked one's is its parent's at exec)."""
+    env = worker_env(**engine_env(models["tiny-llama"]), VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK"):
+        env.pop(name, None)
+    log = tmp_path / "worker.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, HANDLER], env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        engine = spawned_engine(proc, 180)
+    finally:
+        spawned = descendants(proc.pid)
+        proc.terminate()
+        proc.wait(timeout=60)
+        for pid in spawned:  # a start stopped midway: leave none of vLLM's processes behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert engine.get(b"VLLM_NO_USAGE_STATS") == b"1", log.read_text()[-3000:]
+    assert "vLLM's usage statistics: not sent (VLLM_NO_USAGE_STATS=1)" in log.read_text()
+
+
+def spawned_engine(proc: subprocess.Popen, timeout: float) -> dict[bytes, bytes]:
+    """The environment of the engine-core process the worker ``proc`` spawns, once there is one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for child in descendants(proc.pid):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                    if b"spawn_main" not in cmdline.read():
+                        continue
+                with open(f"/proc/{child}/environ", "rb") as environ:
+                    return dict(v.split(b"=", 1) for v in environ.read().split(b"\0") if b"=" in v)
+        time.sleep(0.2)
+    pytest.fail("no engine process was spawned")

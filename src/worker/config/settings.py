@@ -29,8 +29,10 @@ Outside this layer the environment is touched on purpose in these places only:
   WORKER_ENGINE_PHASE_FILE (``ENGINE_PHASE_FILE_ENV``), the files where vLLM's processes note why they
   failed and that the weights are loaded, which ``vllm_adapter`` reads (``_note_failure`` and
   ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
-- ``vllm_adapter._cpu_compile_cache``: sets VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR for
-  the engine's processes, which inherit them, unless the user set them (``_users_own``).
+- ``vllm_adapter._engine_process_env``: the one place the worker sets what vLLM's engine processes
+  inherit: VLLM_NO_USAGE_STATS=1 (no usage statistics sent) unless the operator set it false, and on
+  the CPU VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR (``_cpu_compile_cache``) unless the user
+  set them (``_users_own``).
 - ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS,
   RUNPOD_SKIP_GPU_CHECK and RUNPOD_FITNESS_CHECKS_DONE, once the worker has read them (``fitness_settings``) to run the checks itself;
 - ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
@@ -88,6 +90,7 @@ DEFAULT_STARTUP_TIMEOUT = 1200.0  # worker-vllm's
 # Raw `vllm serve` flags, applied above every other layer (config/engine_args).
 EXTRA_ARGS_ENV = "VLLM_EXTRA_ARGS"
 NETWORK_CHECK_TARGET_ENV = "NETWORK_CHECK_TARGET"  # host:port the network fitness check dials
+DEFAULT_MAX_N = 128  # OpenAI's own bound on a chat completion's n
 
 
 def _env(*names: str):
@@ -111,6 +114,8 @@ class WorkerSettings(BaseModel):
     # in that time, waiting for room, so that a freed slot is refilled at once (scheduling/concurrency).
     job_take_latency: float = Field(0.1, ge=0, le=60, allow_inf_nan=False,
                                     validation_alias=_env("JOB_TAKE_LATENCY"))
+    # The most completions (``n``) one request may ask for: a larger one is refused (engine/admission).
+    max_n: int = Field(DEFAULT_MAX_N, ge=1, validation_alias=_env("MAX_N"))
     max_batch_size: int = Field(50, ge=1, validation_alias=_env("DEFAULT_BATCH_SIZE"))
     min_batch_size: int = Field(
         1, ge=1, validation_alias=_env("MIN_BATCH_SIZE", "DEFAULT_MIN_BATCH_SIZE"))

@@ -1,4 +1,5 @@
-"""Requests enter vLLM in arrival order, each once the KV cache holds what it will need.
+"""Requests enter vLLM in arrival order, each once the KV cache holds what it will need; a request
+that this worker will never run is refused at once.
 
 vLLM admits a waiting request as soon as its prompt fits, and preempts running requests (their KV
 cache is dropped and computed again later) when the cache runs out as they grow. A burst of young
@@ -6,6 +7,11 @@ requests fits at first, so vLLM takes all of it and then preempts. Here a reques
 sees it, until the blocks planned for the requests in vLLM leave room for its own planned size
 (``scheduling/concurrency.KvBudget``: the rule, pure logic). A request that waits here holds no KV
 cache; it is the worker's few jobs beyond what fits, so that a freed slot is refilled at once.
+
+Requests wait in arrival order, so one that could never fit would hold every request behind it for
+good (or, once alone, run over a budget it exceeds). So the gate refuses, with a 400 before the request
+waits or its response starts, one that asks for more completions than ``MAX_N``, and one whose planned
+blocks exceed the whole cache. A refused request takes nothing from the requests in flight or waiting.
 
 Runs on the engine's event loop, as every request does (``vllm_adapter.gate_requests`` wraps its generate).
 """
@@ -16,38 +22,58 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
+
+from worker.wire.errors import RequestError
 
 __all__ = ["Admission", "Budget"]
 
 
 class Budget(Protocol):
+    blocks: int
+    block_size: int
+
     def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int: ...
+    def never_fits(self, blocks: int) -> bool: ...
     def fits(self, blocks: int) -> bool: ...
     def admit(self, blocks: int) -> None: ...
     def release(self, blocks: int) -> None: ...
 
 
 class Admission:
-    """The gate before vLLM. ``budget()``: the KV budget, None until the engine reported its cache
-    (requests then enter at once, uncounted)."""
+    """The gate before vLLM. ``budget()``: the KV budget, None until the engine reported its cache or
+    when requests are not gated (they then enter at once, uncounted); ``max_n``: the most
+    completions one request may ask for (``MAX_N``; None: no limit)."""
 
-    def __init__(self, budget: Callable[[], Budget | None]) -> None:
+    def __init__(self, budget: Callable[[], Budget | None], max_n: int | None = None) -> None:
         self._budget = budget
+        self.max_n = max_n
         self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
 
     @property
     def waiting(self) -> int:
         return len(self._waiting)
 
-    @contextlib.asynccontextmanager
-    async def admitted(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> AsyncIterator[None]:
-        """Inside: the request may run in vLLM (it waited its turn); leaving frees its room."""
+    def admitted(self, prompt_tokens: int, max_tokens: int | None,
+                 n: int = 1) -> AbstractAsyncContextManager[None] | None:
+        """Called as the request reaches vLLM: raises ``RequestError`` (400) for one the worker never
+        runs, else its place in the queue (inside, it may run in vLLM; leaving frees its room), or None
+        when it goes straight to vLLM (no budget)."""
+        if self.max_n is not None and n > self.max_n:
+            raise RequestError(f"n={n} is above MAX_N={self.max_n}, the most completions one request may "
+                               "ask for on this worker", param="n")
         budget = self._budget()
         if budget is None:
-            yield
-            return
+            return None
         blocks = budget.need(prompt_tokens, max_tokens, n)
+        if budget.never_fits(blocks):
+            raise RequestError(_too_large(budget, blocks, prompt_tokens, n),
+                               param="n" if n > 1 else "max_tokens")
+        return self._place(budget, blocks)
+
+    @contextlib.asynccontextmanager
+    async def _place(self, budget: Budget, blocks: int) -> AsyncIterator[None]:
         if self._waiting or not budget.fits(blocks):
             await self._wait(budget, blocks)
         else:
@@ -76,3 +102,9 @@ class Admission:
             blocks, admitted = self._waiting.popleft()
             budget.admit(blocks)
             admitted.set_result(None)
+
+
+def _too_large(budget: Budget, blocks: int, prompt_tokens: int, n: int) -> str:
+    return (f"this request can never fit the worker's KV cache: with n={n} and {prompt_tokens} prompt "
+            f"tokens it needs about {blocks} blocks of {budget.block_size} tokens as planned, and the "
+            f"whole cache holds {budget.blocks}; ask for fewer completions (n) or tokens (max_tokens)")

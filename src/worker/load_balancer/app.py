@@ -284,7 +284,7 @@ class WorkerApp:
         if self.phase is not Phase.SERVING:
             return HTTPStatus.SERVICE_UNAVAILABLE, {
                 Phase.STARTING: "the worker is starting: its /ping answers 200 once it serves",
-                Phase.FAILED: f"the worker could not start: {self.failure}",
+                Phase.FAILED: f"the worker could not start: {self.failure and self.failure.answer}",
                 Phase.DRAINING: "the worker is shutting down: send the request again, to another worker",
             }[self.phase]
         if (size := _content_length(scope)) is not None and size > self.max_body_bytes:

@@ -22,6 +22,10 @@ With ``HF_HUB_OFFLINE=1`` the repos are taken from the cache, without the hub. v
 the local snapshots, so it needs no hub either and serves exactly the revision checked here.
 A hub that cannot be reached, or that fails mid-download, is a transient ``StartupError``: the
 caller tries once more.
+
+A failure's message names the variable to change and says what happened in words; the cache's
+path, a mirror's address (``HF_ENDPOINT``, which may carry credentials) and the exception's own text
+are its ``detail``, which only the log gets.
 """
 
 from __future__ import annotations
@@ -179,15 +183,15 @@ def _from_cache(request: RepoRequest, cache: Path, *, weights: bool, why: str) -
 def _not_cached(request: RepoRequest, cache: Path, why: str) -> StartupError:
     if why != READ_ONLY:
         return StartupError(
-            f"{_named(request)} is not in the Hugging Face cache at {cache}, and HF_HUB_OFFLINE is set: "
+            f"{_named(request)} is not in the Hugging Face cache (HF_HOME), and HF_HUB_OFFLINE is set: "
             "start once with the hub reachable (HF_HUB_OFFLINE=0), or bake the model into the image",
-            variables=(request.variable, "HF_HUB_OFFLINE"))
+            detail=f"the cache: {cache}", variables=(request.variable, "HF_HUB_OFFLINE"))
     return StartupError(
-        f"{_named(request)} is not in the Hugging Face cache at {cache} "
-        f"({_cached_revisions(cache, request.repo)}), which is read-only (RunPod's model cache), so it "
+        f"{_named(request)} is not in the Hugging Face cache (HF_HOME; "
+        f"{_cached_revisions(cache, request.repo)}), which is read-only (RunPod's model cache), so it "
         f"cannot be downloaded there: set {request.variable} and {request.revision_variable} to the model "
         "the endpoint caches, or cache this one in the endpoint's settings",
-        variables=(request.variable, request.revision_variable))
+        detail=f"the cache: {cache}", variables=(request.variable, request.revision_variable))
 
 
 def _named(request: RepoRequest) -> str:
@@ -201,8 +205,8 @@ def _plan(request: RepoRequest, *, weights: bool) -> _Plan:
             info = HfApi().model_info(request.repo, revision=request.revision, files_metadata=True,
                                       timeout=request.timeout)
         except httpx2.TimeoutException:
-            raise StartupError(f"{_named(request)}: the hub at {constants.ENDPOINT} did not answer within "
-                               f"{request.timeout:g} s (MODEL_PREFLIGHT_TIMEOUT)", transient=True) from None
+            raise StartupError(f"{_named(request)}: {_hub()} did not answer within {request.timeout:g} s "
+                               "(MODEL_PREFLIGHT_TIMEOUT)", detail=_endpoint(), transient=True) from None
     siblings = {s.rfilename: s for s in info.siblings or ()}
     try:
         files = select_files(siblings, weights=weights)
@@ -278,10 +282,10 @@ def _check_space(request: RepoRequest, plan: _Plan, cache: Path) -> None:
     free = _free_bytes(cache)
     if missing > free:
         raise StartupError(
-            f"{_named(request)} needs {missing / GB:.2f} GB more in the Hugging Face cache at {cache}, "
+            f"{_named(request)} needs {missing / GB:.2f} GB more in the Hugging Face cache (HF_HOME), "
             f"and its disk has {free / GB:.2f} GB free: give the endpoint a larger network volume "
             "(mounted at BASE_PATH), or bake the model into the image",
-            variables=("BASE_PATH", "HF_HOME"))
+            detail=f"the cache: {cache}", variables=("BASE_PATH", "HF_HOME"))
 
 
 def _download(request: RepoRequest, plan: _Plan, cache: Path) -> Fetched:
@@ -339,14 +343,14 @@ def _access_error(request: RepoRequest, gated: bool) -> StartupError:
         return StartupError("HF_TOKEN: the hub refused the token (invalid or revoked); set HF_TOKEN to "
                             "a valid read token from huggingface.co/settings/tokens",
                             variables=("HF_TOKEN",))
-    url = f"{constants.ENDPOINT}/{request.repo}"
+    page = f"{_hub_url()}/{request.repo}"
     if gated and token:
         return StartupError(f"{_named(request)} is gated, and the account of HF_TOKEN has no access: "
-                            f"request access at {url}, or use a token of an account that has it",
-                            variables=("HF_TOKEN",))
+                            f"request access at {page}, or use a token of an account that has it",
+                            detail=_endpoint(), variables=("HF_TOKEN",))
     if gated:
-        return StartupError(f"{_named(request)} is gated: accept its terms at {url}, then set HF_TOKEN "
-                            "to a read token of that account", variables=("HF_TOKEN",))
+        return StartupError(f"{_named(request)} is gated: accept its terms at {page}, then set HF_TOKEN "
+                            "to a read token of that account", detail=_endpoint(), variables=("HF_TOKEN",))
     if token:
         return StartupError(f"{_named(request)}: no such repo on the hub, or it is private and the "
                             f"account of HF_TOKEN cannot read it: check {request.variable}",
@@ -372,14 +376,39 @@ def _explained(request: RepoRequest) -> Iterator[None]:
         status = exc.response.status_code if exc.response is not None else None
         if status == 401:
             raise _access_error(request, gated=False) from None
-        raise StartupError(f"{_named(request)}: the hub at {constants.ENDPOINT} answered {status}: {exc}",
+        raise StartupError(f"{_named(request)}: {_hub()} answered {status}", detail=_endpoint(exc),
                            transient=status is None or status >= 500 or status == 429) from None
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise StartupError(f"{_named(request)}: the disk of the Hugging Face cache ({constants.HF_HUB_CACHE}) "
-                               "is full: give the endpoint a larger network volume (mounted at BASE_PATH)",
+            raise StartupError(f"{_named(request)}: the disk of the Hugging Face cache (HF_HOME) is full: "
+                               "give the endpoint a larger network volume (mounted at BASE_PATH)",
+                               detail=f"the cache: {constants.HF_HUB_CACHE}",
                                variables=("BASE_PATH", "HF_HOME")) from None
-        raise StartupError(f"{_named(request)}: download failed: {exc}", transient=True) from None
+        raise StartupError(f"{_named(request)}: download failed ({exc.strerror or type(exc).__name__})",
+                           detail=_endpoint(exc), transient=True) from None
     except httpx2.TransportError as exc:  # unreachable, or cut off mid-download
-        raise StartupError(f"{_named(request)}: download failed: cannot reach the hub at "
-                           f"{constants.ENDPOINT} ({exc})", transient=True) from None
+        raise StartupError(f"{_named(request)}: download failed: cannot reach {_hub()}",
+                           detail=_endpoint(exc), transient=True) from None
+
+
+def _mirror() -> bool:
+    return constants.ENDPOINT != constants._HF_DEFAULT_ENDPOINT
+
+
+def _hub() -> str:
+    """The hub, as a caller is told: a mirror by its variable (its address may carry credentials, and
+    says nothing a caller can act on)."""
+    return "the hub (HF_ENDPOINT)" if _mirror() else "the hub"
+
+
+def _hub_url() -> str:
+    """The hub's address for a repo's page, as a caller is told it: huggingface.co's, or a mirror's by
+    its variable."""
+    return "HF_ENDPOINT" if _mirror() else constants.ENDPOINT
+
+
+def _endpoint(exc: BaseException | None = None) -> str:
+    """For the log: the exception's own text and, for a mirror, its address (the log masks a URL's
+    credentials)."""
+    parts = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
+    return "; ".join([*parts, *([f"HF_ENDPOINT={constants.ENDPOINT}"] if _mirror() else [])])

@@ -118,21 +118,30 @@ class KvBudget:
 
     def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
         """The blocks a request will hold at most, as planned: its ``n`` sequences each hold its own
-        part of the prompt and up to the planned output. The whole blocks of the prompt that nearly
-        every recent request found in vLLM's prefix cache are shared (``prefix_blocks``, held once)."""
+        part of the prompt and up to the planned output (a sequence never passes the context). The
+        whole blocks of the prompt that nearly every recent request found in vLLM's prefix cache are
+        shared (``prefix_blocks``, held once). A request that can never fit (``never_fits``) is not
+        recorded: its size, with that prefix, is above the whole cache."""
         output = self.planned_output(prompt_tokens, max_tokens)
         cached = _quantile(self._cached, CACHED_QUANTILE) or 0.0
-        self.prefix_blocks = int(prompt_tokens * cached) // self.block_size
-        own = prompt_tokens - self.prefix_blocks * self.block_size + output
-        blocks = max(1, n) * math.ceil(own / self.block_size)
+        prefix = int(prompt_tokens * cached) // self.block_size
+        tokens = prompt_tokens + output if self.context is None else min(prompt_tokens + output, self.context)
+        blocks = max(1, n) * math.ceil((tokens - prefix * self.block_size) / self.block_size)
+        if blocks + prefix > self.blocks:  # refused (engine/admission): it says nothing of the jobs
+            return blocks + prefix
+        self.prefix_blocks = prefix
         if len(self._sizes) == SIZE_WINDOW:
             self._sizes_total -= self._sizes[0]
         self._sizes.append(blocks)
         self._sizes_total += blocks
         return blocks
 
+    def never_fits(self, blocks: int) -> bool:
+        """Whether a request of ``blocks`` (``need``'s) is larger than the whole cache."""
+        return blocks > self.blocks
+
     def fits(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` enters now (alone, it always does: vLLM judges it)."""
+        """Whether a request of ``blocks`` enters now (alone, it always does: it fits the whole cache)."""
         return not self.admitted or self.used + blocks <= self._room
 
     @property

@@ -52,7 +52,7 @@ def _once_more(step: Callable[[], T], what: str) -> T:
     except StartupError as failure:
         if not failure.transient:
             raise
-        log.warning("%s failed, trying once more in %g s: %s", what, RETRY_PAUSE_SECONDS, failure)
+        log.warning("%s failed, trying once more in %g s: %s", what, RETRY_PAUSE_SECONDS, failure.logged)
     time.sleep(RETRY_PAUSE_SECONDS)
     return step()
 
@@ -98,23 +98,27 @@ def _chose(args: ResolvedArgs, dest: str) -> bool:
 
 def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) -> StartupError:
     """A failed engine start as a StartupError; transient (with the flags to retry with) when memory
-    was short for a size the user did not choose. ``note``: what vLLM's engine process logged."""
+    was short for a size the user did not choose. ``note``: what vLLM's engine process logged. The
+    exception's own text (vLLM's figures, paths, URLs) goes to the log only: callers get its kind."""
     cause = f"{note['type']}: {note['message']}" if note else f"{type(exc).__name__}: {exc}"
     if note and note["kv_cache_too_small"]:
         return StartupError(
-            f"the KV cache cannot hold one request of max_model_len ({cause}); set MAX_MODEL_LEN "
-            "lower, or give the KV cache more memory (GPU_MEMORY_UTILIZATION, KV_CACHE_MEMORY_BYTES)",
+            "the KV cache cannot hold one request of max_model_len (vLLM's figures are in the worker's "
+            "log); set MAX_MODEL_LEN lower, or give the KV cache more memory (GPU_MEMORY_UTILIZATION, "
+            "KV_CACHE_MEMORY_BYTES)", detail=cause,
             variables=("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION", "KV_CACHE_MEMORY_BYTES"),
             transient=not _chose(args, "max_model_len"), retry={"max_model_len": -1})
     if note and note["out_of_memory"]:
         lower = round(args.engine_args.gpu_memory_utilization - OOM_UTILIZATION_STEP, 2)
         return StartupError(
-            f"out of memory while the engine started ({cause}); set GPU_MEMORY_UTILIZATION or "
-            "MAX_MODEL_LEN lower, or use GPUs with more memory (or more of them: TENSOR_PARALLEL_SIZE)",
+            "out of memory while the engine started; set GPU_MEMORY_UTILIZATION or MAX_MODEL_LEN "
+            "lower, or use GPUs with more memory (or more of them: TENSOR_PARALLEL_SIZE)", detail=cause,
             variables=("GPU_MEMORY_UTILIZATION", "MAX_MODEL_LEN", "TENSOR_PARALLEL_SIZE"),
             transient=not _chose(args, "gpu_memory_utilization") and lower > 0,
             retry={"gpu_memory_utilization": lower})
-    return StartupError(f"the engine failed to start: {cause}")
+    kind = note["type"] if note else type(exc).__name__
+    return StartupError(f"the engine failed to start ({kind}; the worker's log has vLLM's error)",
+                        detail=cause)
 
 
 def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -> WorkerConfig:
@@ -157,6 +161,6 @@ def start_engine(config: WorkerConfig,
             if not failure.transient:
                 raise
             changes = ", ".join(f"{dest}={value}" for dest, value in failure.retry.items())
-            log.warning("Engine start failed, trying once more with %s: %s", changes, failure)
+            log.warning("Engine start failed, trying once more with %s: %s", changes, failure.logged)
             return _start_once(_with_flags(config, failure.retry, "running out of memory"), build,
                                Path(note_dir), 2)

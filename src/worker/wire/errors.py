@@ -27,6 +27,7 @@ import json
 from http import HTTPStatus
 
 from worker.wire.dialects import anthropic_type, openai_type
+from worker.wire.redact import answer_text
 
 
 class WorkerError(Exception):
@@ -34,18 +35,31 @@ class WorkerError(Exception):
 
 
 class StartupError(WorkerError):
-    """The worker cannot start; the message says why and what to change.
+    """The worker cannot start; the message says why, in words, and what to change.
 
-    ``variables``: the settings to change, when known. ``transient``: the same start may succeed
-    when tried again (an interrupted download, memory that was short once); ``retry`` holds the
-    engine flags to try it with, by dest (empty: the same ones)."""
+    ``detail``: what only the log gets, beside the message: local paths, the hub's URL, an
+    exception's own text (a caller sees ``answer``). ``variables``: the settings to change, when
+    known. ``transient``: the same start may succeed when tried again (an interrupted download,
+    memory that was short once); ``retry`` holds the engine flags to try it with, by dest (empty:
+    the same ones)."""
 
-    def __init__(self, message: str, *, variables: tuple[str, ...] = (), transient: bool = False,
-                 retry: dict[str, object] | None = None) -> None:
+    def __init__(self, message: str, *, detail: str | None = None, variables: tuple[str, ...] = (),
+                 transient: bool = False, retry: dict[str, object] | None = None) -> None:
         super().__init__(message)
+        self.detail = detail
         self.variables = variables
         self.transient = transient
         self.retry = retry or {}
+
+    @property
+    def answer(self) -> str:
+        """What a caller is told: the message, URL credentials masked, any local path left to the log."""
+        return answer_text(str(self))
+
+    @property
+    def logged(self) -> str:
+        """What the log gets: the message and its detail (the log masks URL credentials itself)."""
+        return f"{self} [{self.detail}]" if self.detail else str(self)
 
 
 class ConfigError(StartupError):
