@@ -722,10 +722,12 @@ async def plugin_adapter(llm: AsyncLLM, name: str) -> LoRARequest | None:
 
 
 def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRARequest],
-                   available: Callable[[], list[tuple[str, str]]]) -> None:
+                   available: Callable[[], Awaitable[list[str]]]) -> None:
     """Makes vLLM's ``OpenAIServingModels`` (one app's) find adapters through the worker's registry:
     its adapters (``LORA_MODULES``', loaded already) join ``loaded``, which it then shares;
-    ``resolve_lora`` asks ``resolve``; ``/v1/models`` also lists ``available()`` (name, path)."""
+    ``resolve_lora`` asks ``resolve``; ``/v1/models`` also lists ``available()``'s names, once each
+    (``loaded`` holds other spellings too), and shows no folder of the server's: vLLM's ``root`` is
+    an adapter's or a local model's path, so a card's root is its id there."""
     loaded.update(models.lora_requests)
     models.lora_requests = loaded
 
@@ -744,10 +746,14 @@ def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRAReques
 
     async def show_available_models():
         listed = await show_loaded()
-        known = {card.id for card in listed.data}
+        cards = {card.id: card for card in listed.data}
         base = models.base_model_paths[0].name
-        listed.data += [ModelCard(id=name, root=path, parent=base, permission=[ModelPermission()])
-                        for name, path in available() if name not in known]
+        cards.update((name, ModelCard(id=name, root=name, parent=base, permission=[ModelPermission()]))
+                     for name in await available() if name not in cards)
+        for card in cards.values():
+            if card.root and os.path.isabs(card.root):
+                card.root = card.id
+        listed.data = list(cards.values())
         return listed
 
     models.resolve_lora = resolve_lora

@@ -32,12 +32,22 @@ def adapters(models, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def endpoint(tiny_env, adapters, tmp_path_factory):
-    """Two tiny-model workers on one queue, with adapters by name from one folder; vLLM logs
-    requests, so aborts are visible. A few jobs are queued before the workers ask for work
-    (``first_batch``)."""
+def resolver_dir(models, tmp_path_factory):
+    """A folder for vLLM's filesystem LoRA resolver (``cache``), and beside it an adapter outside it."""
+    folder = tmp_path_factory.mktemp("resolver")
+    build_lora(models["tiny-llama"], folder / "cache" / "by-resolver", seed=5)
+    build_lora(models["tiny-llama"], folder / "outside", seed=6)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def endpoint(tiny_env, adapters, resolver_dir, tmp_path_factory):
+    """Two tiny-model workers on one queue, with adapters by name from one folder and vLLM's
+    filesystem resolver; vLLM logs requests, so aborts are visible. A few jobs are queued before the
+    workers ask for work (``first_batch``)."""
     local = LocalEndpoint({**tiny_env, "ENABLE_LOG_REQUESTS": "true", "HF_TOKEN": HF_TOKEN,
-                           "LORA_DIRS": str(adapters)}, 2,
+                           "LORA_DIRS": str(adapters), "VLLM_PLUGINS": "lora_filesystem_resolver",
+                           "VLLM_LORA_RESOLVER_CACHE_DIR": str(resolver_dir / "cache")}, 2,
                           tmp_path_factory.mktemp("endpoint") / "endpoint.log", ready_timeout=None)
     local.first_batch = [local.http.post("/run", content=body).json()["id"] for body in FIRST_BATCH]
     local.ready_after = local._wait_ready(2, 400)
@@ -85,9 +95,22 @@ def test_each_worker_passed_runpods_fitness_checks_once_before_loading(endpoint)
 
 # --- openai SDK -----------------------------------------------------------------------------
 
-def test_models_list(client, endpoint):
-    ids = [m.id for m in client.models.list().data]
+def test_models_list(client, endpoint, adapters):
+    cards = client.models.list().data
+    ids = [m.id for m in cards]
     assert ids[1:] == ["tiny-lora", *ADAPTERS] and ids[0].endswith("tiny-llama")
+    # No folder of the server's but the one the served model is named by (issue 43)
+    assert [card.root for card in cards[1:]] == ids[1:] and str(adapters) not in str(cards)
+
+
+def test_an_adapter_name_outside_the_rule_is_a_404_even_where_a_resolver_would_find_it(client, model,
+                                                                                    resolver_dir):
+    by_resolver = client.completions.create(model="by-resolver", prompt="Once upon a time", max_tokens=4)
+    assert by_resolver.model == "by-resolver" and by_resolver.choices[0].text
+    for name in (str(resolver_dir / "outside"), "../outside", "../nothing-there"):
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.completions.create(model=name, prompt="Once upon a time", max_tokens=4)
+        assert raised.value.body["code"] == 404 and "does not exist" in raised.value.body["message"]
 
 
 def test_chat_completion(client, model):

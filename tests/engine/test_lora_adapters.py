@@ -14,6 +14,7 @@ from build_models import build_lora
 from conftest import _build_engine, engine_env
 from openai.types import Completion
 
+from worker.model.hub_adapters import HubAdapters, hub_rules
 from worker.routes.serving import OpenAIvLLMEngine
 
 SERVED = "test/tiny-llama"  # a repo id, so that an adapter for another repo is told apart by name
@@ -185,6 +186,13 @@ def test_models_lists_the_base_loaded_and_available_adapters(openai, run_openai,
     assert all(card["parent"] == SERVED for card in item["data"][1:])
 
 
+def with_hub(engine, monkeypatch, repos: str, **caps) -> HubAdapters:
+    """The engine's adapters also from the hub's ``repos`` (LORA_HUB_REPOS), within ``caps``."""
+    fetched = HubAdapters(hub_rules(repos), **{"max_adapters": 32, "max_bytes": 1 << 30, **caps})
+    monkeypatch.setattr(engine.adapters, "sources", dataclasses.replace(engine.adapters.sources, hub=fetched))
+    return fetched
+
+
 def test_an_adapter_from_the_hub_and_a_hub_out_of_reach(engine, openai, run_openai, run_job, online, hub,
                                                         folders, monkeypatch):
     """The local hub serves a copy of adapter "a" as org/hub-a (a repo LORA_HUB_REPOS allows), then
@@ -192,8 +200,7 @@ def test_an_adapter_from_the_hub_and_a_hub_out_of_reach(engine, openai, run_open
     import huggingface_hub.constants
 
     volume, _ = folders
-    monkeypatch.setattr(engine.adapters, "sources", dataclasses.replace(engine.adapters.sources,
-                                                                        hub_repos=("org/hub-*",)))
+    with_hub(engine, monkeypatch, "org/hub-*")
     hub.add_repo("org/hub-a", {path.name: path for path in (volume / "a").iterdir()})
     assert text(complete(run_openai, openai, "org/hub-a")) == text(complete(run_openai, openai, "a"))
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens
@@ -201,3 +208,111 @@ def test_an_adapter_from_the_hub_and_a_hub_out_of_reach(engine, openai, run_open
     assert item["error"]["code"] == 502 and "could not be fetched from the hub" in item["error"]["message"]
     (item,) = run_job(engine, {"prompt": PROMPT, "model": "org/hub-b"})
     assert item["error"]["code"] == 502
+
+
+def test_a_hub_adapter_named_in_any_case_is_one_adapter_and_caps_hold(engine, openai, run_openai, run_job,
+                                                                      online, hub, folders, tmp_path,
+                                                                      monkeypatch):
+    """Issue 43: case variants of a hub repo id were fetched, cached and loaded each on their own (a
+    slot and a registry entry each), and nothing capped what a caller could make a worker fetch."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    volume, _ = folders
+    with_hub(engine, monkeypatch, "acme/*", max_adapters=1)
+    files = {path.name: path for path in (volume / "b").iterdir() if path.name.startswith("adapter_")}
+    hub.add_repo("Acme/Case-A", files)
+    hub.add_repo("acme/other", files)
+    reference = text(complete(run_openai, openai, "b"))
+    assert text(complete(run_openai, openai, "acme/case-a")) == reference
+    assert text(complete(run_openai, openai, "ACME/CASE-A")) == reference
+    (item,) = run_job(engine, {"prompt": PROMPT, "model": "Acme/Case-A", "sampling_params": {
+        "max_tokens": 10, "temperature": 0, "ignore_eos": True}})
+    assert "".join(item["choices"][0]["tokens"]) == reference
+    spellings = {name: request.lora_int_id for name, request in engine.adapters.loaded.items()
+                 if name.casefold() == "acme/case-a"}
+    assert set(spellings) == {"Acme/Case-A", "acme/case-a", "ACME/CASE-A"} and len(set(spellings.values())) == 1
+    assert {d.repo for d in hub.downloads} == {"Acme/Case-A"} and len(hub.downloads) == len(files)
+    (item,) = run_openai(openai, "/v1/models")
+    assert [card["id"] for card in item["data"]].count("Acme/Case-A") == 1
+    for model in ("acme/other", "ACME/OTHER"):  # past LORA_HUB_MAX_ADAPTERS=1: refused, nothing fetched
+        (item,) = run_openai(openai, "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3})
+        assert item["error"]["code"] == 400 and "past LORA_HUB_MAX_ADAPTERS=1" in item["error"]["message"]
+        (item,) = run_job(engine, {"prompt": PROMPT, "model": model})
+        assert item["error"]["code"] == 400 and item["error"]["param"] == "model"
+    assert {d.repo for d in hub.downloads} == {"Acme/Case-A"}
+    assert text(complete(run_openai, openai, "acme/case-a")) == reference  # serves on
+
+
+@pytest.fixture
+def resolver_dir(engine, folders, tmp_path, monkeypatch):
+    """vLLM's filesystem resolver on a folder of its own (VLLM_PLUGINS=lora_filesystem_resolver,
+    VLLM_LORA_RESOLVER_CACHE_DIR), with an adapter for the served model in it; beside it, outside
+    it, another adapter for the served model and a folder with an unreadable config."""
+    from vllm.lora.resolver import LoRAResolverRegistry
+    from vllm.plugins.lora_resolvers.filesystem_resolver import FilesystemResolver
+
+    volume, _ = folders
+    base = engine.llm.model_config.model
+    for name in ("cache/in-cache", "outside"):
+        shutil.copytree(volume / "c", tmp_path / name)
+        config = json.loads((tmp_path / name / "adapter_config.json").read_text())
+        (tmp_path / name / "adapter_config.json").write_text(
+            json.dumps({**config, "base_model_name_or_path": base}))
+    (tmp_path / "unreadable").mkdir()
+    (tmp_path / "unreadable" / "adapter_config.json").write_text("{not json")
+    monkeypatch.setattr(LoRAResolverRegistry, "resolvers", {"Filesystem Resolver": FilesystemResolver(
+        str(tmp_path / "cache"))})
+    return tmp_path
+
+
+def test_names_outside_the_rule_never_reach_vllms_resolvers(openai, run_openai, run_job, engine, resolver_dir):
+    """Issue 43: ``/abs/dir`` or ``../x`` reached folders outside the resolver's, and a 404 against a
+    500 told whether a file existed there. Now every such name is one 404, whatever is on disk."""
+    assert text(complete(run_openai, openai, "in-cache")) == text(complete(run_openai, openai, "c"))
+    names = [str(resolver_dir / "outside"), "../outside", "../unreadable", str(resolver_dir / "unreadable"),
+             str(resolver_dir / "nothing"), "../nothing"]
+    for name in names:
+        (item,) = run_openai(openai, "/v1/completions", {"model": name, "prompt": PROMPT, "max_tokens": 3})
+        error = item["error"]  # (a path in an answer shows as <path>)
+        assert (error["code"], error["type"], error["param"]) == (404, "NotFoundError", "model")
+        assert error["message"].endswith(f"` does not exist. Valid aliases: {SERVED}.")
+        (item,) = run_job(engine, {"prompt": PROMPT, "model": name})
+        assert item["error"]["code"] == 404 and item["error"]["param"] == "model"
+    assert not any(name in engine.adapters.loaded for name in names)
+
+
+def test_a_resolver_that_fails_on_a_valid_name_is_a_404_too(openai, run_openai, resolver_dir, caplog):
+    (resolver_dir / "cache" / "broken").mkdir()
+    (resolver_dir / "cache" / "broken" / "adapter_config.json").write_text("{not json")
+    with caplog.at_level("WARNING", logger="worker.engine.adapters"):
+        (item,) = run_openai(openai, "/v1/completions", {"model": "broken", "prompt": PROMPT, "max_tokens": 3})
+    assert item["error"]["code"] == 404
+    assert "LoRA adapter broken: a vLLM LoRA resolver failed" in caplog.text  # the cause, in the log
+
+
+def test_models_shows_no_server_path_and_walks_the_folders_off_the_loop(openai, run_openai, engine,
+                                                                       folders, monkeypatch):
+    """Issue 43: /v1/models walked the adapter folders on the engine's event loop at every call, and
+    each card's root was a folder of the server's."""
+    import threading
+
+    walks = []
+    walk = engine.adapters.sources.available
+
+    def counted():
+        walks.append(threading.current_thread().name)
+        return walk()
+
+    monkeypatch.setattr(engine.adapters, "sources", dataclasses.replace(engine.adapters.sources))
+    object.__setattr__(engine.adapters.sources, "available", counted)
+    monkeypatch.setattr(engine.adapters, "_listing", None)
+    listings = [run_openai(openai, "/v1/models")[0] for _ in range(3)]
+    assert len(walks) == 1 and walks[0].startswith("lora-adapters")  # once, in the registry's threads
+    cards = listings[-1]["data"]
+    assert {"a", "only-second", "static-a"} <= {card["id"] for card in cards}
+    volume, second = folders
+    for card in cards:
+        assert not card["root"].startswith("/") and str(volume) not in json.dumps(card)
+    assert all(card["root"] == card["id"] for card in cards[1:])

@@ -36,7 +36,8 @@ Implemented, as huggingface_hub 2.x calls it and with the headers it reads:
 - ``GET /api/agent-harnesses``: an empty registry of AI agents, which huggingface_hub fetches once
   to build its user agent (best effort: a 404 would do too, but would show in every run's log).
 
-A revision is a branch, a tag or a full commit sha; every commit keeps its own files. Deliberately
+A repo id is matched in any case, as the hub matches it, and the repo's info answers with its own
+spelling (``id``). A revision is a branch, a tag or a full commit sha; every commit keeps its own files. Deliberately
 left out: datasets and spaces, organizations, token roles and fine-grained scopes, uploads and every
 other endpoint (404), LFS metadata (``lfs`` in siblings and trees) and CDN redirects, Xet,
 multi-range (``multipart/byteranges``) answers and ``expand``ed metadata. The server speaks
@@ -157,7 +158,7 @@ class LocalHub:
         blobs = {path: _Blob.of(content) for path, content in files.items()}
         listing = "".join(f"{path}\0{blob.oid}\n" for path, blob in sorted(blobs.items()))
         sha = hashlib.sha1(f"{repo_id}\n{listing}".encode()).hexdigest()
-        repo = self._repos.setdefault(repo_id, _Repo())
+        repo = self._repos.setdefault(self.spelling(repo_id), _Repo())
         repo.commits[sha] = blobs
         for ref in (revision, *tags):
             repo.refs[ref] = sha
@@ -170,6 +171,10 @@ class LocalHub:
             if known is not None:
                 self._tokens.setdefault(known, USER)
         return sha
+
+    def spelling(self, repo_id: str) -> str:
+        """The repo's id as it was added (``repo_id`` itself for a repo not added)."""
+        return next((known for known in self._repos if known.casefold() == repo_id.casefold()), repo_id)
 
     def add_token(self, token: str, *, name: str = USER) -> None:
         """Make `token` valid, as the token of user `name` (what whoami answers). Any other token is
@@ -299,7 +304,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _api(self, route: re.Match[str], path: str, query: dict[str, list[str]], with_body: bool) -> None:
         if self.hub.api_delay and self.hub._wait_unless_cut(self.hub._cuts, self.hub.api_delay):
             return  # the hub stopped meanwhile
-        repo_id, revision = route["repo"], unquote(route["revision"] or "main")
+        repo_id, revision = self.hub.spelling(route["repo"]), unquote(route["revision"] or "main")
         files, commit = self._files(repo_id, revision)
         if route["kind"] == "tree":
             self._tree(files, unquote(route["folder"] or "/")[1:], path, query, with_body)
@@ -343,7 +348,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _files(self, repo_id: str, revision: str) -> tuple[dict[str, _Blob], str]:
         """The files of ``repo_id`` at ``revision`` and its commit, if this request may read them."""
-        repo = self.hub._repos.get(repo_id)
+        repo = self.hub._repos.get(self.hub.spelling(repo_id))
         token = self._token()
         if repo is None or (repo.private and token not in repo.readers):
             # 401 when anonymous, as for a private repo, so as not to tell missing and private apart

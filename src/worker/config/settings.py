@@ -57,6 +57,7 @@ import yaml
 from pydantic import (
     AliasChoices,
     BaseModel,
+    ByteSize,
     ConfigDict,
     Field,
     ValidationError,
@@ -66,6 +67,7 @@ from pydantic import (
 
 from worker.env_text import env_value
 from worker.model import baked_args
+from worker.model.hub_adapters import HubAdapters, hub_rules
 from worker.model.lora_adapters import AdapterSources
 from worker.model.preflight import ModelRequest, RepoRequest
 from worker.wire.errors import ConfigError
@@ -147,9 +149,13 @@ class WorkerSettings(BaseModel):
     # Keep vLLM's compile cache on the network volume, when one is mounted (engine/compile_cache).
     compile_cache_on_volume: bool = Field(True, validation_alias=_env("COMPILE_CACHE_ON_VOLUME"))
     # LoRA adapters by name (model/lora_adapters): folders searched first (default: $BASE_PATH/loras),
-    # hub repos a request may name (patterns; none: the hub is not asked), the base-model check.
+    # hub repos a request may name (patterns, each @revision optionally; none: the hub is not asked)
+    # and how much one worker may fetch from it (model/hub_adapters), the base-model check.
     lora_dirs: str | None = Field(None, validation_alias=_env("LORA_DIRS"))
     lora_hub_repos: str | None = Field(None, validation_alias=_env("LORA_HUB_REPOS"))
+    lora_hub_max_adapters: int = Field(32, ge=1, validation_alias=_env("LORA_HUB_MAX_ADAPTERS"))
+    lora_hub_max_bytes: ByteSize = Field("10GiB", ge=1, validate_default=True,
+                                         validation_alias=_env("LORA_HUB_MAX_BYTES"))
     lora_check_base_model: bool = Field(True, validation_alias=_env("LORA_CHECK_BASE_MODEL"))
     # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
     startup_failure_answer_seconds: float = Field(
@@ -301,11 +307,12 @@ def _adapter_sources(settings: WorkerSettings, args: ResolvedArgs, served_names:
         or [(volume, "volume")]
     if baked := baked_args.read(baked_args.args_file(env), []).get(baked_args.BAKED_LORA_DIR_KEY):
         folders.append((Path(baked), "image"))
-    hub_repos = tuple(repo.strip() for repo in (settings.lora_hub_repos or "").split(",") if repo.strip())
-    sources = AdapterSources(tuple(folders), hub_repos, args.engine_args.max_lora_rank, served_names,
+    rules = hub_rules(settings.lora_hub_repos)
+    hub = HubAdapters(rules, settings.lora_hub_max_adapters, settings.lora_hub_max_bytes) if rules else None
+    sources = AdapterSources(tuple(folders), hub, args.engine_args.max_lora_rank, served_names,
                              settings.lora_check_base_model)
     log.info("LoRA adapters by name: from %s%s", ", ".join(str(folder) for folder, _ in folders),
-             f", and the hub's {', '.join(hub_repos)}" if hub_repos else "")
+             f", and the hub's {settings.lora_hub_repos.strip()}" if rules else "")
     return sources
 
 

@@ -6,8 +6,9 @@ A request names an adapter (its ``model``); ``AdapterSources.find`` looks for it
    ``<folder>/<name>``;
 2. among the adapters baked into the image (``LORA_ADAPTERS`` build arg), as ``<baked folder>/<name>``;
 3. on the Hugging Face hub, when ``LORA_HUB_REPOS`` allows the repo: ``<org>/<repo>`` or
-   ``<org>/<repo>/<sub-folder>``. Only the adapter's files are downloaded, into the hub cache
-   (``HF_HOME``, on the network volume).
+   ``<org>/<repo>/<sub-folder>`` (``model/hub_adapters``, within the worker's caps). Only the
+   adapter's files are downloaded, into the hub cache (``HF_HOME``, on the network volume); the
+   adapter's name is then the hub's spelling of it.
 
 An adapter is a folder with PEFT's ``adapter_config.json`` and its weights. Every worker of an
 endpoint reads the same sources, so a name means the same adapter on each of them.
@@ -19,28 +20,15 @@ registry (``engine/adapters``) loads what this finds.
 
 from __future__ import annotations
 
-import fnmatch
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
-from http import HTTPStatus
 from pathlib import Path
 
-from huggingface_hub import constants, snapshot_download
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-)
+from worker.model.adapter_files import CONFIG_FILE, NAME
+from worker.model.hub_adapters import AdapterError, HubAdapters
 
-from worker.model.adapter_files import ADAPTER_FILES, CONFIG_FILE, NAME
-from worker.wire.errors import RequestError
-
-log = logging.getLogger(__name__)
 
 __all__ = ["Adapter", "AdapterError", "AdapterSources", "CONFIG_FILE", "VLLM_LORA_RANKS"]
 
@@ -48,14 +36,6 @@ __all__ = ["Adapter", "AdapterError", "AdapterSources", "CONFIG_FILE", "VLLM_LOR
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 _REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _MAX_DEPTH = 3
-
-
-class AdapterError(RequestError, ValueError):
-    """An adapter that was found but cannot be served (400), or a hub that could not be asked (502).
-    A ValueError too: raised inside vLLM's serving classes, it is answered as their 400."""
-
-    def __init__(self, name: str, reason: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
-        super().__init__(f"LoRA adapter '{name}' {reason}", param="model", status=status)
 
 
 @dataclass(frozen=True)
@@ -78,7 +58,7 @@ class AdapterSources:
     """Where adapters are found, and what they must fit."""
 
     folders: tuple[tuple[Path, str], ...]  # (folder, label), searched in order
-    hub_repos: tuple[str, ...]  # patterns of the hub repos a request may name (``org/*``, ``*``)
+    hub: HubAdapters | None  # the hub repos a request may name (LORA_HUB_REPOS); None: not the hub
     max_rank: int  # MAX_LORA_RANK
     served_names: frozenset[str]  # the served model's path, repo id and served names
     check_base_model: bool = True
@@ -91,8 +71,8 @@ class AdapterSources:
         for folder, label in self.folders:
             if (folder / name / CONFIG_FILE).is_file():
                 return self._checked(Adapter(name, folder / name, label))
-        if (path := self._from_hub(name)) is not None:
-            return self._checked(Adapter(name, path, "hub"))
+        if self.hub is not None and (found := self.hub.fetch(name)) is not None:
+            return self._checked(Adapter(*found, "hub"))
         return None
 
     def available(self) -> list[Adapter]:
@@ -105,30 +85,6 @@ class AdapterSources:
                 if NAME.fullmatch(name):
                     found.setdefault(name, Adapter(name, path, label))
         return sorted(found.values(), key=lambda adapter: adapter.name)
-
-    def _from_hub(self, name: str) -> Path | None:
-        parts = name.split("/")
-        if len(parts) < 2:
-            return None
-        repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
-        if not any(fnmatch.fnmatchcase(repo.casefold(), pattern.casefold()) for pattern in self.hub_repos):
-            return None
-        prefix = f"{sub}/" if sub else ""
-        try:
-            snapshot = snapshot_download(repo, allow_patterns=[prefix + file for file in ADAPTER_FILES])
-        except LocalEntryNotFoundError as exc:  # (before its base class) offline, or the hub out of reach
-            if constants.HF_HUB_OFFLINE:
-                return None
-            raise AdapterError(name, f"could not be fetched from the hub: {exc}", HTTPStatus.BAD_GATEWAY) \
-                from None
-        except (RepositoryNotFoundError, EntryNotFoundError):
-            return None
-        except GatedRepoError:
-            raise AdapterError(name, f"is in a gated or private repo ({repo}) that HF_TOKEN cannot read")
-        except (HfHubHTTPError, OSError) as exc:
-            raise AdapterError(name, f"could not be fetched from the hub: {exc}", HTTPStatus.BAD_GATEWAY)
-        path = Path(snapshot, sub)
-        return path if (path / CONFIG_FILE).is_file() else None
 
     def _checked(self, adapter: Adapter) -> Adapter:
         try:
