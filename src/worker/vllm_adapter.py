@@ -10,6 +10,7 @@ route is noticed (by the tests and the contract check) instead of silently serve
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import importlib
 import json
@@ -19,18 +20,21 @@ import re
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, aclosing, suppress
+from contextlib import AbstractAsyncContextManager, aclosing, contextmanager, suppress
 from http import HTTPStatus
 from pathlib import Path
 
+import aiohttp
 import msgspec
 import pydantic
+import requests
 import torch
 import torch._dynamo.config
 import vllm.envs
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
+from vllm.connections import HTTPConnection
 
 try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
     from vllm.entrypoints.common.cli_args import (
@@ -57,6 +61,7 @@ from vllm.exceptions import GracefulHTTPError, VLLMClientError, VLLMValidationEr
 from vllm.lora.request import LoRARequest
 from vllm.lora.resolver import LoRAResolverRegistry
 from vllm.model_executor.models.registry import ModelRegistry
+from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
 from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
 from vllm.pooling_params import PoolingParams
@@ -78,6 +83,7 @@ from vllm.v1.metrics.stats import IterationStats
 
 from worker.env_text import env_value, parse_bool
 from worker.wire.errors import RequestError
+from worker.wire.media_urls import MediaURLPolicy, origin
 from worker.wire.redact import mask_urls
 
 __all__ = [
@@ -85,7 +91,7 @@ __all__ = [
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
     "engine_arg_dests", "engine_args_from", "engine_config_message", "engine_failure",
     "ENGINE_FAILURE_FILE_ENV", "engine_phase", "ENGINE_PHASE_FILE_ENV", "EngineDeadError", "error_status",
-    "frontend_arg_dests", "gate_requests", "import_app_modules", "is_dead", "is_fatal",
+    "frontend_arg_dests", "gate_requests", "guard_media_urls", "import_app_modules", "is_dead", "is_fatal",
     "keep_adapters_loaded", "kv_cache_size", "load_adapter", "load_chat_template", "LoadObserver",
     "LoRARequest", "make_sampling_params", "max_cpu_loras", "max_num_seqs", "memory_estimate",
     "note_engine_failures", "plugin_adapter", "POOLING_TASKS", "PoolingParams", "prompt_tokens",
@@ -776,3 +782,100 @@ def keep_adapters_loaded(llm: AsyncLLM, reload: Callable[[LoRARequest], Awaitabl
                 yield output
 
     llm.generate = generate_with_adapter
+
+
+# --- Media URLs (wire/media_urls holds the policy) ----------------------------------------------------
+
+class _RefusedHop(RefusedRequest):
+    """A request for media the policy refuses, raised before it is sent: ``hop``, its URL (the
+    caller's, or a redirect's), and why. vLLM passes it on as it is (a VLLMValidationError)."""
+
+    def __init__(self, hop: str, reason: str) -> None:
+        super().__init__(reason)
+        self.hop = hop
+
+
+class _CheckedConnection(HTTPConnection):
+    """vLLM's HTTP connection, asking ``policy`` before each request it sends, every redirect's
+    included: aiohttp's (the async path) through a client middleware, requests' (the sync path)
+    through its transport adapter, where each follows redirects."""
+
+    def __init__(self, policy: MediaURLPolicy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def check(self, url: str) -> None:
+        if (reason := self.policy.refusal(url)) is not None:
+            raise _RefusedHop(url, reason)
+
+    async def get_async_client(self) -> aiohttp.ClientSession:
+        if self._async_client is None:
+            self._async_client = aiohttp.ClientSession(trust_env=True, middlewares=(self._checked,))
+        return self._async_client
+
+    async def _checked(self, request: aiohttp.ClientRequest, send) -> aiohttp.ClientResponse:
+        await asyncio.to_thread(self.check, str(request.url))  # resolving the host blocks
+        return await send(request)
+
+    def get_sync_client(self) -> requests.Session:
+        if self._sync_client is None:
+            self._sync_client = requests.Session()
+            for scheme in ("http://", "https://"):
+                self._sync_client.mount(scheme, _CheckedAdapter(self.check))
+        return self._sync_client
+
+
+class _CheckedAdapter(requests.adapters.HTTPAdapter):
+    """requests' transport, calling ``check`` with each request's URL before sending it."""
+
+    def __init__(self, check: Callable[[str], None]) -> None:
+        super().__init__()
+        self.check = check
+
+    def send(self, request: requests.PreparedRequest, *args, **kwargs) -> requests.Response:
+        self.check(request.url)
+        return super().send(request, *args, **kwargs)
+
+
+class _CheckedMediaConnector(MediaConnector):
+    """vLLM's media connector (VLLM_MEDIA_CONNECTOR's default, "http"), fetching through the
+    checked connection; a refusal is a 400 that names the caller's URL and the redirect refused."""
+
+    checked = _CheckedConnection(MediaURLPolicy())  # guard_media_urls sets the process's
+
+    def __init__(self, media_io_kwargs: dict | None = None, **kwargs) -> None:
+        super().__init__(media_io_kwargs, self.checked, **kwargs)
+
+    def _assert_url_in_allowed_media_domains(self, url_spec) -> None:
+        """vLLM's check of ALLOWED_MEDIA_DOMAINS on the caller's URL (also one served from its
+        media cache), in the policy's words."""
+        if (reason := self.checked.policy.host_refusal(url_spec.hostname)) is not None:
+            raise _RefusedHop(url_spec.url, reason)
+
+    def load_from_url(self, url: str, *args, **kwargs):
+        with _refusal_of(url):
+            return super().load_from_url(url, *args, **kwargs)
+
+    async def load_from_url_async(self, url: str, *args, **kwargs):
+        with _refusal_of(url):
+            return await super().load_from_url_async(url, *args, **kwargs)
+
+
+@contextmanager
+def _refusal_of(url: str):
+    """A refused request, as the refusal of the caller's ``url``: one to another host or port than
+    the URL's is a redirect's."""
+    try:
+        yield
+    except _RefusedHop as refused:
+        log.warning("Media URL refused: %s", refused)  # the host, not the caller's URL
+        hop = "" if origin(refused.hop) == origin(url) else f" redirects to {mask_urls(refused.hop)}"
+        raise RefusedRequest(f"media URL {mask_urls(url)}{hop}: {refused}") from None
+
+
+def guard_media_urls(policy: MediaURLPolicy) -> None:
+    """Holds every media URL vLLM fetches in this process from now on to ``policy``, each redirect
+    too: vLLM's connector is replaced by ``_CheckedMediaConnector`` (vLLM checks ALLOWED_MEDIA_DOMAINS
+    on the caller's URL alone, and asks nothing of the addresses)."""
+    _CheckedMediaConnector.checked = _CheckedConnection(policy)
+    MEDIA_CONNECTOR_REGISTRY.register("http")(_CheckedMediaConnector)

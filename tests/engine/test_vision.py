@@ -1,12 +1,16 @@
 """Chat with an image (a base64 data URL) on a tiny random vision-language model (Idefics3, the
-SmolVLM architecture): the image reaches the model, and the answer equals ``vllm serve``'s."""
+SmolVLM architecture): the image reaches the model, and the answer equals ``vllm serve``'s. An
+image URL to a loopback address is refused by default (the allowed ones, and redirects, on a real
+worker: tests/worker/test_media_urls.py)."""
 
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 
 import pytest
+from media_server import MediaServer
 from PIL import Image
 from vllm_server import canonical_stream, normalize, parse_sse, vllm_servers
 
@@ -56,3 +60,26 @@ def test_a_broken_image_is_a_400(vlm_openai, run_openai):
     (item,) = run_openai(vlm_openai, "/v1/chat/completions",
                          chat(vlm_openai, "data:image/png;base64,bm90IGFuIGltYWdl"))
     assert item["error"]["code"] == 400
+
+
+@pytest.fixture(scope="module")
+def media_server():
+    with MediaServer() as server:
+        yield server
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_an_image_url_to_a_loopback_address_is_a_400_and_the_worker_serves_on(vlm_openai, run_openai,
+                                                                            media_server, host):
+    url = media_server.url(host=host)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a job with an image beside it
+        beside = pool.submit(run_openai, vlm_openai, "/v1/chat/completions", chat(vlm_openai, data_url((0, 0, 255))))
+        (refused,) = run_openai(vlm_openai, "/v1/chat/completions", chat(vlm_openai, url))
+        assert beside.result()[0]["usage"]["completion_tokens"] == 8
+    error = refused["error"]
+    assert error["code"] == 400 and error["type"] == "BadRequestError"
+    assert error["message"].startswith(f"media URL {url}: ")
+    assert "is loopback" in error["message"] and "ALLOWED_PRIVATE_MEDIA_NETWORKS" in error["message"]
+    assert media_server.hits == []  # never asked
+    (served,) = run_openai(vlm_openai, "/v1/chat/completions", chat(vlm_openai, data_url((255, 0, 0))))
+    assert served["usage"]["completion_tokens"] == 8

@@ -60,6 +60,7 @@ from pydantic import (
     ByteSize,
     ConfigDict,
     Field,
+    IPvAnyNetwork,
     ValidationError,
     field_validator,
     model_validator,
@@ -71,6 +72,7 @@ from worker.model.hub_adapters import HubAdapters, hub_rules
 from worker.model.lora_adapters import AdapterSources
 from worker.model.preflight import ModelRequest, RepoRequest
 from worker.wire.errors import ConfigError
+from worker.wire.media_urls import MediaURLPolicy
 
 if TYPE_CHECKING:
     from worker.config.engine_args import ResolvedArgs
@@ -157,6 +159,9 @@ class WorkerSettings(BaseModel):
     lora_hub_max_bytes: ByteSize = Field("10GiB", ge=1, validate_default=True,
                                          validation_alias=_env("LORA_HUB_MAX_BYTES"))
     lora_check_base_model: bool = Field(True, validation_alias=_env("LORA_CHECK_BASE_MODEL"))
+    # Non-public networks (CIDRs, comma-separated) media URLs may reach: none unless set (wire/media_urls).
+    allowed_private_media_networks: tuple[IPvAnyNetwork, ...] | None = Field(
+        None, validation_alias=_env("ALLOWED_PRIVATE_MEDIA_NETWORKS"))
     # After a failed start, answer every job with the cause this long, then exit (0: exit at once).
     startup_failure_answer_seconds: float = Field(
         DEFAULT_FAILURE_ANSWER_SECONDS, ge=0, allow_inf_nan=False,
@@ -177,6 +182,11 @@ class WorkerSettings(BaseModel):
             return {"lb": "load_balancer", "loadbalancer": "load_balancer", "loadbalancing": "load_balancer",
                     "queue": "queue", "queuebased": "queue"}.get(squeezed, value)
         return value
+
+    @field_validator("allowed_private_media_networks", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _floor_below_cap(self) -> WorkerSettings:
@@ -263,6 +273,8 @@ class WorkerConfig:
     served_names: frozenset[str] = frozenset()
     # Where LoRA adapters named by requests are found; None with LoRA off.
     adapters: AdapterSources | None = None
+    # Which media URLs vLLM may fetch (vllm_adapter.guard_media_urls holds it to them).
+    media_urls: MediaURLPolicy = MediaURLPolicy()
 
 
 # Where RunPod mounts the network volume (the image's BASE_PATH build arg, also set in its env).
@@ -316,6 +328,16 @@ def _adapter_sources(settings: WorkerSettings, args: ResolvedArgs, served_names:
     return sources
 
 
+def _media_urls(settings: WorkerSettings, args: ResolvedArgs) -> MediaURLPolicy:
+    """ALLOWED_PRIVATE_MEDIA_NETWORKS and vLLM's ALLOWED_MEDIA_DOMAINS, as the policy; logged."""
+    policy = MediaURLPolicy(settings.allowed_private_media_networks or (),
+                            tuple(args.engine_args.allowed_media_domains or ()))
+    allowed = ", ".join(map(str, policy.private_networks))
+    log.info("Media URLs: from %s; non-public addresses refused%s (ALLOWED_PRIVATE_MEDIA_NETWORKS)",
+             ", ".join(policy.domains) or "any host", f" but in {allowed}" if allowed else "")
+    return policy
+
+
 # Prefixes of variables that belong to other programs (no typo check against ours).
 _FOREIGN_PREFIXES = ("RUNPOD_", "VLLM_", "HF_", "HUGGINGFACE_", "NVIDIA_", "CUDA_", "PYTHON",
                      "TORCH", "OMP_", "LC_", "UV_", "PIP_", "NCCL_", "TRANSFORMERS_")
@@ -356,7 +378,7 @@ def load_config(env: Mapping[str, str] | None = None,
     log.info("Worker settings: %s", settings.model_dump())
     served_names = _served_names(settings, args)
     return WorkerConfig(settings, args, volume_cache_dir(settings, env), served_names,
-                        _adapter_sources(settings, args, served_names, env))
+                        _adapter_sources(settings, args, served_names, env), _media_urls(settings, args))
 
 
 def _early(name: str, env: Mapping[str, str] | None) -> WorkerSettings:

@@ -37,6 +37,7 @@ from worker.vllm_adapter import (
     LoadObserver,
     LoRARequest,
     gate_requests,
+    guard_media_urls,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
@@ -81,7 +82,9 @@ async def _start(config: WorkerConfig, on_load: LoadObserver | None,
                  admitted: Admitted | None) -> tuple[AsyncLLM, Adapters | None]:
     """The engine, and its adapter registry with LoRA on. Built inside the engine's private loop,
     which its output handler then belongs to. Building the engine configuration first raises
-    ConfigError for combinations vLLM rejects."""
+    ConfigError for combinations vLLM rejects. The media URLs vLLM fetches are held to the
+    configuration's policy from then on."""
+    guard_media_urls(config.media_urls)
     llm = start_engine(config.args.engine_config(), config.args.engine_args, on_load)
     adapters = None
     if config.adapters and llm.vllm_config.lora_config:

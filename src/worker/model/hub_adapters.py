@@ -85,7 +85,7 @@ class HubAdapters:
     max_bytes: int  # LORA_HUB_MAX_BYTES
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _found: dict[str, tuple[str, Path]] = field(default_factory=dict, repr=False)  # key → (name, path)
-    _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # the hub's name → bytes, counted
+    _sizes: dict[str, int] = field(default_factory=dict, repr=False)  # counted against the caps: name → bytes
     _misses: dict[str, float] = field(default_factory=dict, repr=False)  # key → when forgotten
 
     def fetch(self, name: str) -> tuple[str, Path] | None:
@@ -93,9 +93,10 @@ class HubAdapters:
         hub cache (downloaded if need be); None when no rule allows it or the hub has no such adapter.
         Raises ``AdapterError``: 400 past a cap or for a gated repo, 502 when the hub cannot be asked."""
         parts = name.split("/")
+        if len(parts) < 2:
+            return None
         repo, sub = "/".join(parts[:2]), "/".join(parts[2:])
-        rule = next((rule for rule in self.rules if rule.allows(repo)), None)
-        if len(parts) < 2 or rule is None:
+        if (rule := next((rule for rule in self.rules if rule.allows(repo)), None)) is None:
             return None
         key = f"{repo.casefold()}/{sub}"  # a repo id in any case; its folders as they are spelt
         with self._lock:
@@ -122,7 +123,7 @@ class HubAdapters:
             raise _Missing
         spelt = "/".join(filter(None, (info.id, sub)))
         with self._counted(name, spelt, sum(sizes.values())):
-            # By revision, as the request named it: the cache then notes the branch, for offline starts.
+            # By the rule's revision, not the commit: the cache then notes the branch, for offline starts.
             snapshot = snapshot_download(info.id, revision=rule.revision, allow_patterns=sorted(sizes))
         return spelt, Path(snapshot, sub)
 
