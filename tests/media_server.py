@@ -19,12 +19,13 @@ def png(color: tuple[int, int, int] = (255, 0, 0), size: tuple[int, int] = (64, 
 
 
 class MediaServer:
-    """Serves on ``address`` (a loopback one) until the ``with`` block ends."""
+    """Serves on ``address`` (a loopback one) and ``port`` (any free one by default) until the
+    ``with`` block ends."""
 
-    def __init__(self, address: str = "127.0.0.1") -> None:
+    def __init__(self, address: str = "127.0.0.1", port: int = 0) -> None:
         self.hits: list[str] = []
         self.image = png()
-        self._server = ThreadingHTTPServer((address, 0), self._handler())
+        self._server = ThreadingHTTPServer((address, port), self._handler())
         self.port = self._server.server_address[1]
 
     def url(self, path: str = "/image.png", host: str = "127.0.0.1") -> str:

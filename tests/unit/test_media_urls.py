@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 
 import pytest
 from media_server import MediaServer
@@ -46,6 +47,14 @@ def test_a_name_is_refused_when_any_address_it_resolves_to_is():
         "images.example resolves to 10.0.0.7, which is private; ")
     assert asked == [("images.example", 443)]
     assert MediaURLPolicy().refusal("http://images.example:81/", lambda host, port: ["93.184.215.14"]) is None
+
+
+def test_addresses_already_resolved_are_held_to_the_same_rule_and_a_hop_by_name_alone():
+    assert MediaURLPolicy().addresses_refusal("images.example", ["93.184.215.14", "::ffff:10.0.0.7"]).startswith(
+        "images.example resolves to 10.0.0.7, which is private; ")
+    assert MediaURLPolicy().addresses_refusal("images.example", ["93.184.215.14"]) is None
+    assert MediaURLPolicy().hop_refusal("http://localhost/a.png") is None  # its addresses: the connection's
+    assert MediaURLPolicy().hop_refusal("http://127.0.0.1/a.png").startswith("the address 127.0.0.1 is loopback")
 
 
 def test_a_name_that_does_not_resolve_is_left_to_the_fetch():
@@ -153,3 +162,44 @@ def test_the_connector_holds_every_redirect_to_allowed_media_domains(servers, re
         f"media URL {first.redirect(target)} redirects to {target}: localhost is not in ALLOWED_MEDIA_DOMAINS (127.0.0.1)"
     assert refusal(target, sync) == f"media URL {target}: localhost is not in ALLOWED_MEDIA_DOMAINS (127.0.0.1)"
     assert [hit.partition("?")[0] for hit in first.hits] == ["/redirect"]
+
+
+def answering(monkeypatch, name: str, *addresses: str) -> None:
+    """``name`` resolves to each of ``addresses`` in turn, the last one from then on, on both of
+    vLLM's HTTP clients (each resolves through socket.getaddrinfo); every other name as it does."""
+    getaddrinfo, answers = socket.getaddrinfo, iter(addresses)
+
+    def lookup(host, port, *args, **kwargs):
+        if host != name:
+            return getaddrinfo(host, port, *args, **kwargs)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (next(answers, addresses[-1]), port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", lookup)
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_the_connector_refuses_a_redirect_to_a_name_by_the_addresses_it_resolves_to(
+        monkeypatch, servers, refusal, sync):
+    first, second = servers
+    guard_media_urls(MediaURLPolicy(LOOPBACK_1))
+    answering(monkeypatch, "media.example", "127.0.0.2")
+    target = second.url(host="media.example")
+    assert refusal(first.redirect(target), sync).startswith(
+        f"media URL {first.redirect(target)} redirects to {target}: media.example resolves to 127.0.0.2, "
+        "which is loopback; ")
+    assert second.hits == []
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_the_connector_connects_to_the_addresses_it_checked_whatever_dns_answers_next(monkeypatch, fetch, sync):
+    """DNS rebinding: a name answering an allowed address (127.0.0.2, standing in for a public one:
+    no traffic leaves loopback) the first time and a refused one (127.0.0.1) every time after must
+    not reach the refused one."""
+    with MediaServer("127.0.0.2") as allowed, MediaServer("127.0.0.1", allowed.port) as refused:
+        guard_media_urls(MediaURLPolicy((ipaddress.ip_network("127.0.0.2/32"),)))
+        answering(monkeypatch, "rebinding.example", "127.0.0.2", "127.0.0.1")
+        try:
+            assert fetch(allowed.url(host="rebinding.example"), sync).size == (64, 48)
+        finally:
+            guard_media_urls(MediaURLPolicy())
+        assert refused.hits == [] and allowed.hits == ["/image.png"]

@@ -61,15 +61,28 @@ class MediaURLPolicy:
         """Why ``url`` may not be fetched, in words naming the variable that decides; None when it
         may. A host that does not resolve is left to the fetch, which fails on it as before."""
         _, host, port = origin(url)
-        if (refused := self.host_refusal(host)) is not None:
+        if (refused := self.hop_refusal(url)) is not None or _address(host) is not None:
             return refused
-        if (literal := _address(host)) is not None:
-            return self._address_refusal([literal], "the address {address} is")
         try:
             found = lookup(host, port)
         except OSError:
             return None
-        return self._address_refusal(map(ipaddress.ip_address, found), f"{host} resolves to {{address}}, which is")
+        return self.addresses_refusal(host, found)
+
+    def hop_refusal(self, url: str) -> str | None:
+        """Why ``url`` is refused before its host is resolved: the host not in ALLOWED_MEDIA_DOMAINS,
+        or an address itself that is refused."""
+        _, host, _ = origin(url)
+        if (refused := self.host_refusal(host)) is not None:
+            return refused
+        if (literal := _address(host)) is not None:
+            return self._address_refusal([literal], "the address {address} is")
+        return None
+
+    def addresses_refusal(self, host: str, addresses: Iterable[str]) -> str | None:
+        """Why the addresses ``host`` resolved to are refused, when any one is: for a client that
+        resolves the host itself and connects to these addresses alone."""
+        return self._address_refusal(map(ipaddress.ip_address, addresses), f"{host} resolves to {{address}}, which is")
 
     def host_refusal(self, host: str | None) -> str | None:
         """Why ``host`` is refused by name: not in ALLOWED_MEDIA_DOMAINS, when that is set."""
