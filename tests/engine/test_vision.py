@@ -1,7 +1,7 @@
 """Chat with an image (a base64 data URL) on a tiny random vision-language model (Idefics3, the
 SmolVLM architecture): the image reaches the model, and the answer equals ``vllm serve``'s. An
 image URL to a loopback address is refused by default (the allowed ones, and redirects, on a real
-worker: tests/worker/test_media_urls.py)."""
+worker: tests/worker/test_media_urls_worker.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The media-URL policy (wire/media_urls), and vLLM's media connector held to it
 (vllm_adapter.guard_media_urls), fetching from local servers over both of vLLM's HTTP clients. On
-the real engine and a real worker: tests/engine/test_vision.py, tests/worker/test_media_urls.py."""
+the real engine and a real worker: tests/engine/test_vision.py, tests/worker/test_media_urls_worker.py."""
 
 from __future__ import annotations
 
