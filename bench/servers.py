@@ -137,7 +137,7 @@ class StartUp:
 
     total: float  # process start → first call for work
     python: float  # interpreter and handler.py's module-level imports, before main()
-    phases: dict[str, float]  # the worker's own split: imports, config, engine, serving
+    phases: dict[str, float]  # the worker's own split: imports, checks, model, config, cache, engine, serving
     sdk: float  # "Worker ready" → first call for work (runpod.serverless.start)
 
 

@@ -305,6 +305,20 @@ def _take_jobs(config: WorkerConfig, jobs: Concurrency) -> None:
     })
 
 
+# The one .env the worker reads: beside ``src/`` (the checkout's root; ``/.env`` in the image), wherever
+# the process runs (the local endpoint's workers run in a temporary folder).
+ENV_FILE = Path(__file__).resolve().parent.parent / ".env"
+
+
+def load_env_file(path: Path = ENV_FILE) -> bool:
+    """Load ``path`` (``ENV_FILE``) into the environment, for local development; a variable already
+    set wins. No upward search and no working-directory lookup: one place in the checkout, the local
+    endpoint and the image. Whether the file was there."""
+    from dotenv import load_dotenv
+
+    return load_dotenv(path, override=False)
+
+
 def main() -> None:
     _configure_logging()
     # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK's job
@@ -320,9 +334,7 @@ def main() -> None:
         now = time.perf_counter()
         phases[name], mark = now - mark, now
 
-    from dotenv import load_dotenv
-
-    load_dotenv()  # ./.env for local development; never overrides the real environment
+    load_env_file()
     from worker.config.settings import endpoint_kind, startup_timeout
     from worker.startup.steps import fitness_checks
     from worker.startup.watchdog import Watchdog

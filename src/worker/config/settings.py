@@ -23,7 +23,9 @@ expected. Unknown variables close to a real name get a "did you mean" warning.
 Outside this layer the environment is touched on purpose in these places only:
 
 - ``handler``: reads LOG_LEVEL (logging must work before the configuration can fail), and loads
-  ``./.env`` into the environment (``load_dotenv``, for local development; never overriding);
+  one ``.env`` into the environment, for local development (``handler.load_env_file``): the one
+  beside ``src/`` (the checkout's root, ``/.env`` in the image), never the working directory's,
+  never overriding a variable already set;
 - ``model/download_model``: reads the Dockerfile's build args (at build time, without vLLM);
 - ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``) and
   WORKER_ENGINE_PHASE_FILE (``ENGINE_PHASE_FILE_ENV``), the files where vLLM's processes note why they
