@@ -205,10 +205,11 @@ def endpoint(hub, baked, volume, tmp_path_factory) -> Iterator[LocalEndpoint]:
 
 
 def readme_requests() -> tuple[dict, dict]:
-    """The README's quick-start raw job and OpenAI request bodies (its two curl -d arguments)."""
-    quick_start = section(README, "Quick start (CPU machine, no GPU needed)")
-    block = quick_start[quick_start.index("```bash\ncurl -s"):]
-    bodies = [body.replace("'\"$PWD\"'/.cache/models/smollm2-135m-instruct", MODEL)
+    """The README's raw job and OpenAI request bodies (its two curl -d arguments; the model the name
+    /v1/models lists, which the README reads into $MODEL)."""
+    calling = section(README, "Calling it")
+    block = calling[calling.index("```bash\ncurl -s"):]
+    bodies = [body.replace("'\"$MODEL\"'", MODEL)
               for body in re.findall(r"-d '(.*?)'\n", block, re.S)[:2]]
     return json.loads(bodies[0]), json.loads(bodies[1])
 

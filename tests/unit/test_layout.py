@@ -1,5 +1,5 @@
 """The code's rooms: each package under src/worker imports only from the ones below it, vLLM is
-imported by the adapter alone, and the README's layout table is the packages' own docstrings."""
+imported by the adapter alone, and the layout table of docs/development.md is the packages' own docstrings."""
 
 import ast
 import json
@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from conftest import REPO
-from doc_pages import README, section
+from doc_pages import DOCS, section
 
 SRC = REPO / "src"
 # Bottom to top: a room may import from the rooms before it (and itself), never after.
@@ -99,8 +99,8 @@ def test_the_rooms_below_the_adapters_users_import_without_vllm():
     assert result.stdout.strip() == "[]", result.stderr
 
 
-def test_the_readme_layout_is_the_folder_and_each_packages_docstring():
-    layout = section(README, "Code layout")
+def test_the_documented_layout_is_the_folder_and_each_packages_docstring():
+    layout = section(DOCS / "development.md", "Code layout")
     rows = dict(re.findall(r"^\| `src/worker/(\w+)/` \| (.+) \|$", layout, re.MULTILINE))
     packages = {path.parent.name: path.parent for path in (SRC / "worker").glob("*/__init__.py")}
     assert rows.keys() == packages.keys()

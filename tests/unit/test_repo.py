@@ -65,7 +65,7 @@ def test_documented_worker_defaults_are_the_codes():
 
 
 def test_readme_main_settings_are_read_by_the_worker_with_their_defaults():
-    rows = documented_defaults(section(README, "Main settings"))
+    rows = documented_defaults(section(README, "Configuration essentials"))
     settings = {name for field in WorkerSettings.model_fields.values() for name in field.validation_alias.choices}
     assert rows.keys() <= known_env_names() | settings | {"HF_TOKEN"}
     check_worker_setting_defaults(rows)
