@@ -6,6 +6,7 @@ network fitness check, and free local ports."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import tempfile
 import threading
@@ -39,7 +40,18 @@ for _name, _value in CPU_ENV.items():
     os.environ.setdefault(_name, _value)  # values already in the environment win
 
 
+_PORTS_FROM = 20000  # above the well-known and common service ports
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port of 127.0.0.1 free now, below the kernel's ephemeral range: a port from that range can
+    be taken by any outgoing connection's socket before the server that was given it binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(_PORTS_FROM, low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port of 127.0.0.1 between {_PORTS_FROM} and {low}")
