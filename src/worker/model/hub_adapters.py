@@ -35,6 +35,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.file_download import repo_folder_name
 
 from worker.model.adapter_files import ADAPTER_FILES, CONFIG_FILE
 from worker.wire.errors import RequestError
@@ -184,7 +185,7 @@ def _adapter_files(sub: str) -> list[str]:
 
 def _cached_spelling(repo: str) -> str:
     """The spelling ``repo`` was cached under (``repo`` itself if it was not)."""
-    folder = f"models--{repo.replace('/', '--')}".casefold()
+    folder = repo_folder_name(repo_id=repo, repo_type="model").casefold()
     try:
         cached = [path.name for path in Path(constants.HF_HUB_CACHE).iterdir()]
     except OSError:
