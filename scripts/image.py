@@ -1,6 +1,8 @@
 """Builds the worker's images on this machine with buildah, as `docker buildx bake` builds them.
 
     scripts/image.sh build [TARGET] [--set NAME=VALUE ...] [--tag TAG]   (default target: worker-cpu)
+    scripts/image.sh variable NAME      a bake variable's value (scripts/contract.sh reads
+                                        NEXT_VLLM_VERSION so; the environment wins, as with bake)
 
 Targets, build args and secrets come from docker-bake.hcl, read as bake reads it: variables from
 the environment or ``--set``, ``inherits`` merged, a ``target:`` context built first and used as
@@ -271,6 +273,15 @@ def build(target_name: str = DEFAULT_TARGET, overrides: Mapping[str, str] = {}, 
     return Built(tag, image_id, seconds, result.stdout)
 
 
+def _print_variable(name: str) -> int:
+    value = bake_variables().get(name)
+    if value is None:
+        log(f"docker-bake.hcl has no variable {name}")
+        return 2
+    print(value)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/image.sh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -279,7 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     build_cmd.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                            help="a bake variable (MODEL_NAME=org/name, ...)")
     build_cmd.add_argument("--tag", help=f"the image's name (default: {_local_tag('TARGET')})")
+    variable_cmd = sub.add_parser("variable", help="print a docker-bake.hcl variable's value")
+    variable_cmd.add_argument("name")
     args = parser.parse_args(argv)
+    if args.command == "variable":
+        return _print_variable(args.name)
     overrides = dict(item.split("=", 1) for item in args.set)
     try:
         built = build(args.target, overrides, tag=args.tag)

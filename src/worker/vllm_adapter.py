@@ -38,6 +38,12 @@ from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
 from vllm.config import CompilationMode, VllmConfig
 from vllm.connections import HTTPConnection
 
+try:  # vLLM 0.34 hashes a configuration's compile factors; VllmConfig.compute_hash is gone
+    from vllm.config.utils import hash_config as config_hash
+except ImportError:  # vLLM 0.32, 0.33
+    def config_hash(vllm_config: VllmConfig) -> str:
+        return vllm_config.compute_hash()
+
 try:  # vLLM 0.33 moved the serve CLI's arguments from launchers/ to common/
     from vllm.entrypoints.common.cli_args import (
         FrontendArgs,
@@ -90,13 +96,13 @@ from worker.wire.redact import mask_urls
 
 __all__ = [
     "Admitted", "APP_MODULES", "arg_annotations", "AsyncEngineArgs", "AsyncLLM", "build_arg_parser",
-    "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "create_engine_config",
+    "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "config_hash", "create_engine_config",
     "engine_arg_dests", "engine_args_from", "engine_config_message", "engine_failure",
     "ENGINE_FAILURE_FILE_ENV", "engine_phase", "ENGINE_PHASE_FILE_ENV", "EngineDeadError", "error_status",
     "frontend_arg_dests", "gate_requests", "guard_media_urls", "import_app_modules", "is_dead", "is_fatal",
     "keep_adapters_loaded", "kv_cache_size", "load_adapter", "load_chat_template", "LoadObserver",
     "LoRARequest", "make_sampling_params", "max_cpu_loras", "max_num_seqs", "memory_estimate",
-    "note_engine_failures", "plugin_adapter", "POOLING_TASKS", "PoolingParams", "prompt_tokens",
+    "note_engine_failures", "plugin_adapter", "refused_variable", "POOLING_TASKS", "PoolingParams", "prompt_tokens",
     "REQUEST_ERRORS", "REQUEST_FIELDS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
     "SamplingParams", "serve_adapters", "start_engine", "TokensPrompt", "unsupported_architectures",
     "validate_frontend_args", "visible_gpu_count", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
@@ -246,6 +252,14 @@ def engine_config_message(exc: BaseException) -> str:
     if isinstance(exc, pydantic.ValidationError):
         return "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
     return str(exc) or type(exc).__name__
+
+
+def refused_variable(exc: BaseException) -> str | None:
+    """The vLLM variable of this process that a configuration error is about, if any: from 0.34,
+    vLLM refuses a removed variable (``vllm.envs.removed_environment_variables``) and
+    VLLM_USE_V2_MODEL_RUNNER other than 1 (Model Runner V1 is gone), naming it first."""
+    named = re.match(r"(VLLM_\w+)\b", engine_config_message(exc))
+    return named[1] if named and named[1] in os.environ else None
 
 
 def unsupported_architectures(model: str) -> list[str]:
@@ -466,7 +480,7 @@ def _cpu_compile_cache(vllm_config: VllmConfig) -> None:
     engine's process inherits both variables; a user's own value of either is kept."""
     if not (current_platform.is_cpu() and compiles(vllm_config)) or vllm.envs.VLLM_DISABLE_COMPILE_CACHE:
         return
-    entry = Path(cache_root(), "torch_compile_cache", f"inductor-{vllm_config.compute_hash()[:16]}")
+    entry = Path(cache_root(), "torch_compile_cache", f"inductor-{config_hash(vllm_config)[:16]}")
     for name, value in (("VLLM_USE_AOT_COMPILE", "0"), ("TORCHINDUCTOR_CACHE_DIR", str(entry))):
         if not _users_own(name):
             os.environ[name] = _SET_HERE[name] = value

@@ -16,17 +16,22 @@ What it checks, with the real adapter and worker modules and no engine core:
 4. vLLM's app, built as the worker builds it (``build_openai_app``, a stub in place of the engine)
    for a generative and a pooling model, then with every task and route switch on, has no route
    that ``routes.unclassified_routes`` reports: each is either served to jobs or denied;
-5. the legacy ROPE_* variables still reach the model's configuration.
+5. the legacy ROPE_* variables still reach the model's configuration;
+6. the GPU image's own requirements (builder/requirements.txt) resolve with the release's CUDA wheel
+   as the registry has it (skipped when the registry did not answer).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import inspect
 import os
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,12 +40,12 @@ import pytest
 from conftest import engine_env
 
 from worker import vllm_adapter as adapter
-from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
+from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, REFUSED_ENGINE, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
                         unclassified_frontend_flags)
 from worker.model.baked_args import BAKED_SOURCE_KEYS
 from worker.config.engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env_names
 from worker.config.legacy_env import RENAMED_ENV, SPECULATIVE_ENV
-from worker.wire.errors import RequestError
+from worker.wire.errors import ConfigError, RequestError
 from worker.routes.route_table import RouteTable, unclassified_routes
 from worker.config.settings import load_config
 
@@ -72,7 +77,7 @@ MODELS = {
 def test_the_adapter_imports_on_the_release_asked_for():
     import vllm
 
-    wanted = os.environ.get("VLLM_CONTRACT_VERSION")
+    wanted = os.environ.get("CONTRACT_VLLM_VERSION")
     print(f"vLLM {vllm.__version__} from {os.path.dirname(vllm.__file__)}")
     assert wanted is None or vllm.__version__.split("+")[0] == wanted, (
         f"asked for vLLM {wanted}, imported {vllm.__version__} from {vllm.__file__}")
@@ -95,6 +100,13 @@ def test_the_engine_calls_the_worker_makes_still_bind():
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"index", "text", "token_ids", "logprobs"} <= fields
     assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
+
+
+def test_the_compile_cache_entry_is_named_by_this_releases_config_hash(models):
+    """engine/compile_cache and the CPU build's Inductor entry name a configuration by its hash."""
+    vllm_config = load_config(engine_env(models["tiny-llama"])).args.engine_config()
+    digest = adapter.config_hash(vllm_config)
+    assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == adapter.config_hash(vllm_config)
 
 
 def test_the_start_up_watchdog_still_sees_the_weights_load():
@@ -222,6 +234,33 @@ def test_every_frontend_flag_is_classified():
     unclassified = unclassified_frontend_flags()
     assert not unclassified, f"front-end flags neither reviewed nor server-only in arg_parser: {unclassified}"
     assert SERVER_ONLY.keys() <= adapter.frontend_arg_dests(), "SERVER_ONLY names flags vLLM no longer has"
+
+
+def test_every_serve_only_flag_is_classified():
+    """`vllm serve`'s own flags (beyond the engine's and the front end's) are how it runs its
+    processes: each is named in ``_SERVE_ONLY`` so that VLLM_EXTRA_ARGS ignores it with a reason."""
+    from worker.config.arg_parser import _SERVE_ONLY
+
+    dests = {action.dest for action in adapter.build_arg_parser()._actions}
+    own = dests - adapter.engine_arg_dests() - adapter.frontend_arg_dests() - {"config", "help", "model_tag"}
+    assert not own - _SERVE_ONLY.keys(), f"serve flags new in this release: {sorted(own - _SERVE_ONLY.keys())}"
+
+
+def test_every_engine_flag_is_reviewed():
+    listed = Path(__file__).with_name("engine_flags.txt").read_text().splitlines()
+    reviewed = {line for line in listed if line and not line.startswith("#")}
+    new = sorted(adapter.engine_arg_dests() - reviewed)
+    assert not new, f"engine flags new in this release, to review (tests/contract/engine_flags.txt): {new}"
+
+
+@pytest.mark.parametrize("dest", sorted(REFUSED_ENGINE))
+def test_an_engine_flag_the_worker_refuses_stops_the_start_named(models, dest):
+    if dest not in adapter.engine_arg_dests():
+        pytest.skip(f"this release has no {dest}")
+    name = dest.upper()
+    with pytest.raises(ConfigError) as refused:
+        load_config(engine_env(models["tiny-llama"], **{name: "true"}))
+    assert f"env {name}: {REFUSED_ENGINE[dest]}" in str(refused.value)
 
 
 def _problem(dest: str, text: str, want: Any) -> str | None:
@@ -367,6 +406,21 @@ def test_adapters_by_name_reach_this_releases_serving_classes(apps):
     assert [(card.id, card.root) for card in cards[1:]] == [("a", "a"), ("c", "c")]  # no server path
 
 
+def _route_switches_on(model_config):
+    """A copy of ``model_config`` with each boolean field that vLLM's app launchers read turned on:
+    engine flags add routes that way too (0.34: ENABLE_SLEEP_MODE adds /checkpoint/*)."""
+    import vllm
+
+    launchers = Path(vllm.__file__).parent / "entrypoints" / "launchers"
+    read = {name for source in launchers.rglob("*.py")
+            for name in re.findall(r"model_config\.(\w+)", source.read_text())}
+    switched = copy.copy(model_config)
+    for name in sorted(read):
+        if isinstance(getattr(model_config, name, None), bool):
+            object.__setattr__(switched, name, True)
+    return switched
+
+
 @pytest.mark.parametrize("runner", list(MODELS))
 def test_every_route_of_every_task_and_switch_is_classified(apps, configs, runner, monkeypatch):
     """The routes other models (speech, classifiers, ...) and the opt-in switches add."""
@@ -380,11 +434,32 @@ def test_every_route_of_every_task_and_switch_is_classified(apps, configs, runne
     for dest in ROUTE_FLAGS & env_parser().env_dests:  # only those a worker's env can turn on
         setattr(namespace, dest, True)
     tasks = (*GENERATION_TASKS, "render") if runner == "generate" else POOLING_TASKS
+    model_config = _route_switches_on(vllm_config.model_config)
     # Each task alone too: a task can change which routes another one adds (score routes).
-    built = [build_app(namespace, each, vllm_config.model_config) for each in (tasks, *zip(tasks))]
+    built = [build_app(namespace, each, model_config) for each in (tasks, *zip(tasks))]
     assert set().union(*map(_paths, built)) > _paths(apps[runner])
     unclassified = sorted({path for app in built for path in unclassified_routes(app)})
     assert not unclassified, f"routes neither served nor denied in src/worker/routes/route_table.py: {unclassified}"
+
+
+def _refused_variables() -> dict[str, str]:
+    """What this release refuses in vLLM's own variables: {name: a value it refuses}."""
+    import vllm.envs
+
+    removed = getattr(vllm.envs, "removed_environment_variables", None)
+    if removed is None:  # before 0.34: vLLM warned of unknown variables and refused none
+        return {}
+    return {**dict.fromkeys(removed, "x"), "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+@pytest.mark.parametrize("name", list(_refused_variables()) or [pytest.param(None, marks=pytest.mark.skip(
+    reason="this release refuses none of its variables"))])
+def test_a_vllm_variable_the_release_refuses_is_named_alone(models, name, monkeypatch):
+    monkeypatch.setenv(name, _refused_variables()[name])
+    with pytest.raises(ConfigError) as refused:
+        load_config(engine_env(models["tiny-llama"])).args.engine_config()
+    assert refused.value.variables == (name,)
+    assert f"env {name}: {name}" in str(refused.value)
 
 
 def test_legacy_rope_variables_reach_the_model_config(models):
@@ -392,3 +467,50 @@ def test_legacy_rope_variables_reach_the_model_config(models):
                      ROPE_SCALING='{"rope_type": "linear", "factor": 2.0}')
     hf_config = load_config(env).args.engine_args.create_model_config().hf_config
     assert hf_config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}
+
+
+# --- 6. the GPU image's requirements with the release's CUDA wheel --------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+# The official vLLM image's Python and glibc (Ubuntu 22.04), which the GPU image installs onto.
+GPU_IMAGE_PYTHON, GPU_IMAGE_PLATFORM = "3.12", "x86_64-manylinux_2_35"
+# uv's answer when a release pins a version the registry does not have.
+MISSING_PIN = re.compile(r"there is no version of ([\w.-]+)==\S+")
+
+
+def _resolve_gpu_image(version: str, left_out: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    overrides = tmp_path / "overrides.txt"  # a marker never true drops a requirement (uv's way)
+    overrides.write_text("".join(f'{name} ; python_version < "0"\n' for name in left_out))
+    return subprocess.run(
+        [str(Path(sys.executable).with_name("uv")), "pip", "compile", "-",
+         str(REPO / "builder" / "requirements.txt"), "--override", str(overrides), "--no-header",
+         "--no-annotate", "--python-version", GPU_IMAGE_PYTHON, "--python-platform", GPU_IMAGE_PLATFORM],
+        input=f"vllm=={version}\n", capture_output=True, text=True, timeout=300,
+        env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"})
+
+
+def test_the_gpu_images_requirements_resolve_with_the_releases_cuda_wheel(tmp_path):
+    """The GPU image installs builder/requirements.txt onto the official image of this release, so
+    each of its pins must agree with the release's own (its CUDA wheel's metadata on the registry).
+    A pin of vLLM's that the registry no longer has (0.34's flashinfer-python==0.7.3) is in that
+    image already: it is left out of the resolution, with a warning, unless the worker pins it too."""
+    if os.environ.get("CONTRACT_REGISTRY") == "down":
+        pytest.skip("the package registry did not answer (scripts/contract.sh asked it first)")
+    import vllm
+
+    version = vllm.__version__.split("+")[0]
+    ours = {re.split(r"[=<>~!; \[]", line, maxsplit=1)[0].lower()
+            for line in (REPO / "builder" / "requirements.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    left_out: list[str] = []
+    while (result := _resolve_gpu_image(version, left_out, tmp_path)).returncode != 0:
+        missing = MISSING_PIN.search(result.stderr)
+        assert missing and missing[1].lower() not in ours | {"vllm"} and len(left_out) < 5, result.stderr
+        left_out.append(missing[1])
+    if left_out:
+        warnings.warn(UserWarning(f"vLLM {version} pins versions the registry lacks, left out of the "
+                                  f"resolution (its image has them): {', '.join(left_out)}"))
+    resolved = dict(re.findall(r"^([\w.-]+)==(\S+)$", result.stdout, re.MULTILINE))
+    assert resolved.get("vllm") == version, result.stdout
+    print(f"GPU image on vLLM {version}: {len(resolved)} packages, torch {resolved.get('torch')}, "
+          f"fastapi {resolved.get('fastapi')}, runpod {resolved.get('runpod')}")

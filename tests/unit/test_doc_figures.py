@@ -26,7 +26,7 @@ NOT_MEASURED = {
 }
 
 # vLLM's and worker-vllm's versions, also where the sentence names them once for two ("0.32 and 0.33").
-VERSIONS = {"0.32", "0.33", "2.24", "2.27"}
+VERSIONS = {"0.32", "0.33", "0.34", "2.24", "2.27"}
 UNIT = r"\s?(?:×|x\b|s\b|ms\b|µs\b|%)"
 # A number with a decimal point, not part of a longer dotted number (1.10.0) or a word.
 NUMBER = re.compile(rf"(?<![\w.])(\d+\.(\d+))(?![\w.]|\.\d)({UNIT})?")

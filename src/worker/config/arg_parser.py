@@ -26,8 +26,8 @@ from worker.vllm_adapter import arg_annotations, build_arg_parser, engine_arg_de
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "OWNED", "RESERVED_ENV", "REVIEWED_FRONTEND", "SERVER_ONLY",
-           "ZERO_MEANS_UNSET", "EnvParser", "Setting", "env_parser", "unclassified_frontend_flags"]
+__all__ = ["ENV_ALIASES", "FRONTEND_DESTS", "OWNED", "REFUSED_ENGINE", "RESERVED_ENV", "REVIEWED_FRONTEND",
+           "SERVER_ONLY", "ZERO_MEANS_UNSET", "EnvParser", "Setting", "env_parser", "unclassified_frontend_flags"]
 
 ENV_ALIASES: Mapping[str, str] = {
     "MODEL_NAME": "model",
@@ -77,8 +77,14 @@ OWNED: Mapping[str, str] = {
                      "ssl_ciphers", "enable_ssl_refresh"], _IN_PROCESS),
     "api_key": "RunPod authenticates callers with the endpoint's API key; the worker checks no key itself",
 }
+# Engine flags the worker refuses to start with when on, with the reason: nothing would undo them.
+REFUSED_ENGINE: Mapping[str, str] = {
+    "checkpoint_prepare_on_startup": "the engine would start drained and serve only after "
+                                     "/checkpoint/restore, a route no job may call (route_table.DENIED)",
+}
 # `vllm serve`'s own flags beyond the engine's and the front end's: how it runs its processes.
-_SERVE_ONLY = {"api_server_count": _PROCESSES, "headless": _PROCESSES, "grpc": _PROCESSES}
+_SERVE_ONLY = {"api_server_count": _PROCESSES, "headless": _PROCESSES, "grpc": _PROCESSES,
+               "headless_client_handshake_address": _PROCESSES}
 
 # FrontendArgs fields reviewed and read. Reading is derived (a field not in SERVER_ONLY is read);
 # this list only lets ``unclassified_frontend_flags`` report a field nobody has reviewed, so that

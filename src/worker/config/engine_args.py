@@ -40,6 +40,7 @@ import yaml
 from worker.config import settings
 from worker.config.arg_parser import (
     ENV_ALIASES,
+    REFUSED_ENGINE,
     SERVER_ONLY,
     ZERO_MEANS_UNSET,
     EnvParser,
@@ -59,6 +60,7 @@ from worker.vllm_adapter import (
     engine_args_from,
     engine_config_message,
     memory_estimate,
+    refused_variable,
     unsupported_architectures,
     validate_frontend_args,
     visible_gpu_count,
@@ -114,6 +116,9 @@ class ResolvedArgs:
         try:
             config = create_engine_config(copy.deepcopy(self.engine_args))
         except Exception as exc:  # noqa: BLE001 - whatever vLLM raises here, the configuration caused it
+            if variable := refused_variable(exc):
+                raise ConfigError(f"invalid configuration:\n  env {variable}: {engine_config_message(exc)}",
+                                  variables=(variable,)) from None
             model = self.flags["model"]
             if architectures := unsupported_architectures(str(self.engine_args.model)):
                 raise ConfigError(
@@ -297,6 +302,8 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     namespace = parser.parse(merged, errors)
     if not errors:  # front-end checks assume each value parsed
         errors += validate_frontend_args(namespace)
+        errors += [f"{merged[dest].source}: {reason}" for dest, reason in REFUSED_ENGINE.items()
+                   if getattr(namespace, dest, None)]
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     check_model_folder(merged["model"])

@@ -44,7 +44,8 @@ DENIED: Mapping[str, str] = {
     "/health": _OPERATIONAL, "/load": _OPERATIONAL, "/metrics": _OPERATIONAL,
     "/version": _OPERATIONAL, "/server_info": _OPERATIONAL, "/kv_event_sources": _OPERATIONAL,
     "/is_sleeping": _OPERATIONAL, "/is_paused": _OPERATIONAL, "/get_world_size": _OPERATIONAL,
-    "/fault_tolerance/status": _OPERATIONAL, "/is_scaling_elastic_ep": _OPERATIONAL,
+    "/fault_tolerance/status": _OPERATIONAL, "/v1/fault_tolerance/status": _OPERATIONAL,
+    "/is_scaling_elastic_ep": _OPERATIONAL, "/checkpoint/status": _OPERATIONAL,
     "/ready": _OPERATIONAL, "/readyz": _OPERATIONAL,
     "/ping": _SAGEMAKER, "/invocations": _SAGEMAKER,
     "/docs": _DOCS, "/docs/oauth2-redirect": _DOCS, "/openapi.json": _DOCS, "/redoc": _DOCS,
@@ -59,7 +60,9 @@ DENIED: Mapping[str, str] = {
         "/start_profile", "/stop_profile", "/release_kv_cache_memory", "/update_weights",
         "/update_weight_version", "/weight_checker", "/weight_info", "/init_weight_transfer_engine",
         "/shutdown_weight_transfer_engine", "/start_weight_update", "/finish_weight_update",
-        "/start_draft_weight_update", "/fault_tolerance/apply"], _ADMIN),
+        "/start_draft_weight_update", "/fault_tolerance/apply", "/v1/fault_tolerance/apply",
+        "/checkpoint/prepare", "/checkpoint/restore"],
+        _ADMIN),
 }
 
 # vLLM's routes reviewed and served. Serving is derived (a route not denied is served); this list
