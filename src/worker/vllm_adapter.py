@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import dataclasses
 import importlib
 import json
@@ -35,7 +36,7 @@ import urllib3
 import vllm.envs
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
-from vllm.config import CompilationMode, VllmConfig
+from vllm.config import CacheConfig, CompilationMode, VllmConfig
 from vllm.connections import HTTPConnection
 
 try:  # vLLM 0.34 hashes a configuration's compile factors; VllmConfig.compute_hash is gone
@@ -99,13 +100,14 @@ __all__ = [
     "build_openai_app", "CACHE_ENTRY_DIRS", "cache_root", "compiles", "config_hash", "create_engine_config",
     "engine_arg_dests", "engine_args_from", "engine_config_message", "engine_failure",
     "ENGINE_FAILURE_FILE_ENV", "engine_phase", "ENGINE_PHASE_FILE_ENV", "EngineDeadError", "error_status",
-    "frontend_arg_dests", "gate_requests", "guard_media_urls", "import_app_modules", "is_dead", "is_fatal",
-    "keep_adapters_loaded", "kv_cache_size", "load_adapter", "load_chat_template", "LoadObserver",
-    "LoRARequest", "make_sampling_params", "max_cpu_loras", "max_num_seqs", "memory_estimate",
-    "note_engine_failures", "plugin_adapter", "refused_variable", "POOLING_TASKS", "PoolingParams", "prompt_tokens",
-    "REQUEST_ERRORS", "REQUEST_FIELDS", "RequestOutput", "RequestOutputKind", "SAMPLING_FIELDS",
-    "SamplingParams", "serve_adapters", "start_engine", "TokensPrompt", "unsupported_architectures",
-    "validate_frontend_args", "visible_gpu_count", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
+    "failure_note", "frontend_arg_dests", "gate_requests", "guard_media_urls", "import_app_modules",
+    "is_dead", "is_fatal", "keep_adapters_loaded", "kv_cache_size", "load_adapter", "load_chat_template",
+    "LoadObserver", "LoRARequest", "make_sampling_params", "max_cpu_loras", "max_num_seqs",
+    "memory_estimate", "memory_utilization", "note_engine_failures", "plugin_adapter", "refused_variable",
+    "POOLING_TASKS", "PoolingParams", "prompt_tokens", "REQUEST_ERRORS", "REQUEST_FIELDS", "RequestOutput",
+    "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "serve_adapters", "start_engine",
+    "TokensPrompt", "unsupported_architectures", "validate_frontend_args", "visible_gpu_count",
+    "VLLM_RESOLVES_MEMORY_UTILIZATION", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
 ]
 
 log = logging.getLogger(__name__)
@@ -247,6 +249,26 @@ def create_engine_config(engine_args: AsyncEngineArgs) -> VllmConfig:
     return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
 
 
+# vLLM 0.34 leaves gpu_memory_utilization unset (None) unless given, and resolves it by how it sizes
+# the KV cache: 1.0 for its extensible KV cache (sized from the memory free after CUDA graph
+# capture; CUDA and ROCm, without kv_cache_memory_bytes), else 0.92. Before 0.34 the default was 0.92.
+VLLM_RESOLVES_MEMORY_UTILIZATION = next(
+    f.default for f in dataclasses.fields(AsyncEngineArgs) if f.name == "gpu_memory_utilization") is None
+
+
+def _utilization(cache_config: CacheConfig) -> float:
+    """A built configuration's utilization (0.34 resolves an unset one in a property of its own)."""
+    return getattr(cache_config, "resolved_gpu_memory_utilization", cache_config.gpu_memory_utilization)
+
+
+def memory_utilization(engine_args: AsyncEngineArgs) -> float:
+    """The share of accelerator memory an engine of ``engine_args`` may use: gpu_memory_utilization,
+    or the value vLLM resolves an unset one to (building the configuration to learn it)."""
+    if engine_args.gpu_memory_utilization is not None:
+        return engine_args.gpu_memory_utilization
+    return _utilization(create_engine_config(copy.deepcopy(engine_args)).cache_config)
+
+
 def engine_config_message(exc: BaseException) -> str:
     """vLLM's reason for rejecting a configuration, without pydantic's boilerplate."""
     if isinstance(exc, pydantic.ValidationError):
@@ -304,7 +326,7 @@ def memory_estimate(vllm_config: VllmConfig) -> MemoryEstimate | None:
     kv_per_token = (2 * model.get_num_layers(parallel) * model.get_num_kv_heads(parallel) * gpus
                     * model.get_head_size() * _kv_element_size(vllm_config))
     budget = cache.kv_cache_memory_bytes + weights if cache.kv_cache_memory_bytes else \
-        int(current_platform.get_device_total_memory() * cache.gpu_memory_utilization * gpus)
+        int(current_platform.get_device_total_memory() * _utilization(cache) * gpus)
     return MemoryEstimate(weights, kv_per_token, budget)
 
 
@@ -322,6 +344,14 @@ ENGINE_FAILURE_FILE_ENV = "WORKER_ENGINE_FAILURE_FILE"
 ENGINE_PHASE_FILE_ENV = "WORKER_ENGINE_PHASE_FILE"
 # Where vLLM raises when the KV cache cannot hold one request of max_model_len.
 _KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_cache_memory"})
+# Where vLLM raises a ValueError when less memory is free at start than gpu_memory_utilization asks
+# for (the raising function's qualified name): its GPU worker's check (0.32 to 0.34), and 0.32's CPU
+# worker's. 0.33 moved the CPU one into CPUWorker.determine_available_memory, whose other
+# ValueErrors a lower utilization does not fix (a KV_CACHE_MEMORY_BYTES too large; weights that fill
+# the reservation): not classified.
+_MEMORY_CHECKS = frozenset({"request_memory", "CPUWorker.__init__"})
+# torch's CPU allocator fails with a plain RuntimeError: its text is the only mark.
+_CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
 # vLLM's log lines (their templates) that say an engine process has loaded the weights: its
 # default loader's, and the GPU model runner's (other loaders log neither; the phase then stays
 # ``load``). The contract check looks for them in vLLM's source.
@@ -329,16 +359,29 @@ WEIGHTS_LOADED_LOGS = frozenset({"Loading weights took %.2f seconds",
                                  "Model loading took %s GiB memory and %.6f seconds"})
 
 
+def failure_note(exc: BaseException) -> dict:
+    """What the worker is told of an engine process's exception: ``type``, ``message``,
+    ``out_of_memory`` (memory ran short: a lower gpu_memory_utilization may start) and
+    ``kv_cache_too_small`` (the KV cache cannot hold one request of max_model_len)."""
+    codes = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    return {"type": type(exc).__name__, "message": mask_urls(str(exc)),
+            "out_of_memory": _out_of_memory(exc, codes[-1].co_qualname if codes else ""),
+            "kv_cache_too_small": any(code.co_name in _KV_CACHE_CHECKS for code in codes)}
+
+
+def _out_of_memory(exc: BaseException, raised_in: str) -> bool:
+    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            or (isinstance(exc, RuntimeError) and _CPU_ALLOCATOR_FAILED in str(exc))
+            or (isinstance(exc, ValueError) and raised_in in _MEMORY_CHECKS))
+
+
 def _note_failure(exc: BaseException) -> None:
-    """Write ``exc`` to ENGINE_FAILURE_FILE_ENV's file (read now: each start attempt has its own),
-    unless a process noted a failure there first."""
+    """Write ``exc``'s ``failure_note`` to ENGINE_FAILURE_FILE_ENV's file (read now: each start attempt
+    has its own), unless a process noted a failure there first."""
     path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     if not path:
         return
-    frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
-    note = {"type": type(exc).__name__, "message": mask_urls(str(exc)),
-            "out_of_memory": isinstance(exc, torch.OutOfMemoryError),
-            "kv_cache_too_small": bool(frames & _KV_CACHE_CHECKS)}
+    note = failure_note(exc)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError:  # noted already: the first failure is the cause
@@ -381,7 +424,7 @@ def note_engine_failures(*, in_engine_process: bool) -> None:
 
 
 def engine_failure() -> dict | None:
-    """What an engine process noted: ``type``, ``message``, ``out_of_memory``, ``kv_cache_too_small``."""
+    """What an engine process noted (``failure_note``)."""
     path = env_value(ENGINE_FAILURE_FILE_ENV, os.environ)
     try:
         return json.loads(Path(path).read_text()) if path else None

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import engine_env
+from packaging.version import Version
 from vllm.reasoning import ReasoningParserManager
 from vllm.tool_parsers import ToolParserManager
 
@@ -16,7 +18,7 @@ from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_
 from worker.wire.errors import ConfigError
 from worker.config.settings import config_file, load_config, load_settings
 from worker.env_text import BOOL_SPELLINGS, parse_bool
-from worker.vllm_adapter import frontend_arg_dests
+from worker.vllm_adapter import VLLM_VERSION, frontend_arg_dests
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 
@@ -85,9 +87,30 @@ def test_baked_args_beat_worker_defaults(files):
 
 
 def test_worker_defaults_beat_vllm_defaults(files):
-    args = resolve(files, MODEL_NAME="m").engine_args
-    assert args.gpu_memory_utilization == WORKER_DEFAULTS["gpu_memory_utilization"] != 0.92
-    assert args.max_num_seqs == WORKER_DEFAULTS["max_num_seqs"]
+    resolved = resolve(files, MODEL_NAME="m")
+    assert resolved.engine_args.max_num_seqs == WORKER_DEFAULTS["max_num_seqs"]
+    assert resolved.namespace.max_log_len == WORKER_DEFAULTS["max_log_len"] == 0  # vLLM's: None
+
+
+def test_gpu_memory_utilization_is_the_workers_only_where_vllms_default_is_a_number(files):
+    """Before vLLM 0.34 its default is 0.92, and the worker's 0.95; 0.34 resolves an unset value by
+    its KV cache's sizing (1.0 for its extensible KV cache), which the worker leaves to it."""
+    resolved = resolve(files, MODEL_NAME="m")
+    vllm_resolves = Version(VLLM_VERSION) >= Version("0.34")
+    assert resolved.engine_args.gpu_memory_utilization == (None if vllm_resolves else 0.95)
+    assert ("gpu_memory_utilization" in resolved.flags) is not vllm_resolves
+
+
+def test_an_out_of_memory_start_is_tried_again_below_the_utilization_vllm_resolves(models):
+    """GPU_MEMORY_UTILIZATION unset: 0.1 below the worker's 0.95, or below the 0.92 that vLLM 0.34
+    resolves an unset value to here (a CPU has no extensible KV cache)."""
+    from worker.startup.steps import engine_failure
+
+    note = {"type": "OutOfMemoryError", "message": "", "out_of_memory": True, "kv_cache_too_small": False}
+    failure = engine_failure(RuntimeError(), note, load_config(engine_env(models["tiny-llama"])).args)
+    before, after = (0.92, 0.82) if Version(VLLM_VERSION) >= Version("0.34") else (0.95, 0.85)
+    assert failure.transient and failure.retry == {"gpu_memory_utilization": after}
+    assert failure.change == f"GPU_MEMORY_UTILIZATION lowered from {before} to {after}"
 
 
 def test_vllm_defaults_fill_the_rest(files):
@@ -100,7 +123,7 @@ def test_sources_are_recorded(files):
     settings = resolve(files, MODEL_NAME="m").flags
     assert settings["model"].source == "env MODEL_NAME"
     assert settings["max_model_len"].source == "config file vllm_config.yaml max-model-len"
-    assert settings["gpu_memory_utilization"].source == "worker default"
+    assert settings["max_num_seqs"].source == "worker default"
 
 
 # --- baked images ------------------------------------------------------------------------------

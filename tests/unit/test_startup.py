@@ -14,7 +14,7 @@ from worker.startup import failed_start
 from worker.wire.errors import ConfigError, StartupError
 from worker.config.settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
 from worker.startup.steps import engine_failure
-from worker.vllm_adapter import MemoryEstimate
+from worker.vllm_adapter import MemoryEstimate, failure_note
 
 KV_NOTE = {"type": "ValueError", "message": "To serve at least one request ...", "out_of_memory": False,
            "kv_cache_too_small": True}
@@ -39,6 +39,7 @@ def test_a_kv_cache_too_small_for_a_length_nobody_chose_is_tried_with_vllm_fitti
 def test_out_of_memory_is_tried_with_less_memory_unless_the_user_chose_it(tiny):
     failure = engine_failure(RuntimeError(), OOM_NOTE, tiny())
     assert failure.transient and failure.retry == {"gpu_memory_utilization": 0.85}  # the worker's 0.95
+    assert failure.change == LOWERED
     assert str(failure).startswith("out of memory while the engine started; set GPU_MEMORY_UTILIZATION")
     assert failure.detail == "OutOfMemoryError: CUDA out of memory"
     assert not engine_failure(RuntimeError(), OOM_NOTE, tiny(GPU_MEMORY_UTILIZATION="0.9")).transient
@@ -52,6 +53,85 @@ def test_any_other_engine_failure_is_answered_with_its_kind_and_logged_with_what
     failure = engine_failure(RuntimeError("init failed"), None, tiny())
     answer = "the engine failed to start (RuntimeError; the worker's log has vLLM's error)"
     assert (failure.answer, failure.logged) == (answer, f"{answer} [RuntimeError: init failed]")
+
+
+LOWERED = "GPU_MEMORY_UTILIZATION lowered from 0.95 to 0.85"  # from the worker's default
+
+
+@pytest.fixture
+def retried(models, monkeypatch):
+    """``steps.start_engine`` on tiny-llama whose first build runs out of memory and whose second
+    ends as ``second`` says; returns its result (or the StartupError it raised), and each build's
+    gpu_memory_utilization. The builds are stand-ins: this is start_engine's own logic."""
+    from worker.startup import steps
+    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV
+
+    for name in (ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV):  # start_engine sets them
+        monkeypatch.delenv(name, raising=False)
+
+    def run(second: Exception | None) -> tuple[object, list[float]]:
+        utilizations = []
+
+        def build(config):
+            utilizations.append(config.args.engine_args.gpu_memory_utilization)
+            if len(utilizations) == 1:
+                raise engine_failure(RuntimeError(), OOM_NOTE, config.args)
+            if second:
+                raise second
+            return "engine"
+
+        try:
+            return steps.start_engine(load_config(engine_env(models["tiny-llama"])), build), utilizations
+        except StartupError as failure:
+            return failure, utilizations
+
+    return run
+
+
+def test_a_second_start_after_running_out_of_memory_is_logged_with_what_the_worker_lowered(retried, caplog,
+                                                                                         capture_info):
+    assert retried(None) == ("engine", [0.95, 0.85])
+    lines = [r.getMessage() for r in caplog.records if r.name == "worker.startup.steps"]
+    assert lines[0].startswith(f"Engine start failed, trying once more with {LOWERED}: out of memory ")
+    assert lines[1:] == [f"Engine started on the second try, with {LOWERED}"]
+
+
+@pytest.mark.parametrize(("second", "answer", "variables"), [
+    (RuntimeError("boom"), "the engine failed to start (RuntimeError; the worker's log has vLLM's error)",
+     ("GPU_MEMORY_UTILIZATION",)),
+    (ConfigError("invalid configuration:\n  env MAX_MODEL_LEN: too long", variables=("MAX_MODEL_LEN",)),
+     "invalid configuration:\n  env MAX_MODEL_LEN: too long", ("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION")),
+], ids=["engine failure", "configuration error"])
+def test_a_second_start_that_fails_too_is_answered_with_what_the_worker_lowered(retried, second, answer,
+                                                                               variables):
+    failure, utilizations = retried(second)
+    assert utilizations == [0.95, 0.85]
+    assert type(failure) is (type(second) if isinstance(second, StartupError) else StartupError)
+    assert failure.answer == f"also after a second start with {LOWERED}: {answer}"
+    assert failure.variables == variables and not failure.transient
+
+
+def test_vllms_memory_checks_at_start_and_the_cpu_allocators_failure_are_out_of_memory():
+    """Raised by vLLM's and torch's own code: the GPU worker's check of free memory against
+    gpu_memory_utilization (its CPU twin fails for real in tests/endpoint/test_startup_failures.py),
+    and an allocation the CPU allocator refuses."""
+    import types
+
+    import torch
+    from vllm.config import CacheConfig
+    from vllm.v1.worker.utils import request_memory
+
+    gpu = types.SimpleNamespace(total_memory=16 * 2**30, free_memory=8 * 2**30, device_="cuda:0")
+    with pytest.raises(ValueError, match="less than desired GPU memory utilization") as short:
+        request_memory(gpu, CacheConfig(gpu_memory_utilization=0.95))
+    with pytest.raises(RuntimeError) as refused:
+        torch.empty(2**62, dtype=torch.uint8)
+    for exc in (short.value, refused.value, MemoryError()):
+        assert failure_note(exc)["out_of_memory"], exc
+    # The same words raised elsewhere are not the check.
+    assert not failure_note(ValueError(str(short.value)))["out_of_memory"]
+    note = failure_note(refused.value)
+    assert note["type"] == "RuntimeError" and "DefaultCPUAllocator: can't allocate memory" in note["message"]
 
 
 @pytest.mark.parametrize(("env", "estimate", "expected"), [

@@ -53,6 +53,7 @@ from worker.env_text import env_value
 from worker.model import baked_args
 from worker.model.model_folder import check_model_folder
 from worker.vllm_adapter import (
+    VLLM_RESOLVES_MEMORY_UTILIZATION,
     VLLM_VERSION,
     AsyncEngineArgs,
     VllmConfig,
@@ -75,7 +76,9 @@ log = logging.getLogger(__name__)
 __all__ = ["ResolvedArgs", "WORKER_DEFAULTS", "known_env_names", "resolve_args"]
 
 WORKER_DEFAULTS: Mapping[str, Any] = {
-    "gpu_memory_utilization": 0.95,  # the worker owns the GPU; vLLM's 0.92 leaves it idle
+    # The worker owns the GPU: vLLM's 0.92 leaves it idle. Not where vLLM resolves an unset value by
+    # its KV cache's sizing (0.34: 1.0 for its extensible KV cache, which a number would shrink).
+    **({} if VLLM_RESOLVES_MEMORY_UTILIZATION else {"gpu_memory_utilization": 0.95}),
     "max_num_seqs": 256,
     # Request logs carry no prompt or output text unless MAX_LOG_LEN is set: an opt-in, since
     # prompts are the users' data (vLLM's default, None, logs them whole).

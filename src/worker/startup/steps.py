@@ -10,7 +10,8 @@
 A transient failure is tried once more, with its reason logged: a download the network
 interrupted (huggingface_hub resumes it), and an engine that ran out of memory with a size the user
 did not choose (``engine_failure``: the KV cache cannot hold the model's full length → vLLM fits
-max_model_len to the memory; out of memory otherwise → a lower GPU_MEMORY_UTILIZATION).
+max_model_len to the memory; out of memory otherwise → a lower GPU_MEMORY_UTILIZATION). A second
+engine start that fails too is answered saying what the worker changed.
 """
 
 from __future__ import annotations
@@ -97,9 +98,12 @@ def _chose(args: ResolvedArgs, dest: str) -> bool:
 
 
 def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) -> StartupError:
-    """A failed engine start as a StartupError; transient (with the flags to retry with) when memory
-    was short for a size the user did not choose. ``note``: what vLLM's engine process logged. The
-    exception's own text (vLLM's figures, paths, URLs) goes to the log only: callers get its kind."""
+    """A failed engine start as a StartupError; transient (with the flags to retry with, and what they
+    change) when memory was short for a size the user did not choose. ``note``: what vLLM's engine
+    process logged. The exception's own text (vLLM's figures, paths, URLs) goes to the log only:
+    callers get its kind."""
+    from worker.vllm_adapter import memory_utilization
+
     cause = f"{note['type']}: {note['message']}" if note else f"{type(exc).__name__}: {exc}"
     if note and note["kv_cache_too_small"]:
         return StartupError(
@@ -107,18 +111,29 @@ def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) ->
             "log); set MAX_MODEL_LEN lower, or give the KV cache more memory (GPU_MEMORY_UTILIZATION, "
             "KV_CACHE_MEMORY_BYTES)", detail=cause,
             variables=("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION", "KV_CACHE_MEMORY_BYTES"),
-            transient=not _chose(args, "max_model_len"), retry={"max_model_len": -1})
+            transient=not _chose(args, "max_model_len"), retry={"max_model_len": -1},
+            change="MAX_MODEL_LEN=-1 (vLLM fitting the length to the memory)")
     if note and note["out_of_memory"]:
-        lower = round(args.engine_args.gpu_memory_utilization - OOM_UTILIZATION_STEP, 2)
+        before = memory_utilization(args.engine_args)  # vLLM 0.34 resolves an unset one
+        lower = round(before - OOM_UTILIZATION_STEP, 2)
         return StartupError(
             "out of memory while the engine started; set GPU_MEMORY_UTILIZATION or MAX_MODEL_LEN "
             "lower, or use GPUs with more memory (or more of them: TENSOR_PARALLEL_SIZE)", detail=cause,
             variables=("GPU_MEMORY_UTILIZATION", "MAX_MODEL_LEN", "TENSOR_PARALLEL_SIZE"),
             transient=not _chose(args, "gpu_memory_utilization") and lower > 0,
-            retry={"gpu_memory_utilization": lower})
+            retry={"gpu_memory_utilization": lower},
+            change=f"GPU_MEMORY_UTILIZATION lowered from {before} to {lower}")
     kind = note["type"] if note else type(exc).__name__
     return StartupError(f"the engine failed to start ({kind}; the worker's log has vLLM's error)",
                         detail=cause)
+
+
+def _after_retry(failure: StartupError, retried: StartupError) -> StartupError:
+    """``failure`` of the second start that ``retried`` asked for, however it failed: it says what the
+    worker changed, and names that setting (``retry``'s flags by their env names)."""
+    changed = (dest.upper() for dest in retried.retry)
+    return type(failure)(f"also after a second start with {retried.change}: {failure}",
+                         detail=failure.detail, variables=tuple(dict.fromkeys((*failure.variables, *changed))))
 
 
 def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -> WorkerConfig:
@@ -160,7 +175,11 @@ def start_engine(config: WorkerConfig,
         except StartupError as failure:
             if not failure.transient:
                 raise
-            changes = ", ".join(f"{dest}={value}" for dest, value in failure.retry.items())
-            log.warning("Engine start failed, trying once more with %s: %s", changes, failure.logged)
-            return _start_once(_with_flags(config, failure.retry, "running out of memory"), build,
-                               Path(note_dir), 2)
+            log.warning("Engine start failed, trying once more with %s: %s", failure.change, failure.logged)
+            retry = _with_flags(config, failure.retry, "running out of memory")
+            try:
+                started = _start_once(retry, build, Path(note_dir), 2)
+            except StartupError as again:
+                raise _after_retry(again, failure) from again
+            log.info("Engine started on the second try, with %s", failure.change)
+            return started

@@ -41,15 +41,17 @@ class StartupError(WorkerError):
     exception's own text (a caller sees ``answer``). ``variables``: the settings to change, when
     known. ``transient``: the same start may succeed when tried again (an interrupted download,
     memory that was short once); ``retry`` holds the engine flags to try it with, by dest (empty:
-    the same ones)."""
+    the same ones), and ``change`` what they change, in the words of the settings
+    (``GPU_MEMORY_UTILIZATION lowered from 0.95 to 0.85``)."""
 
     def __init__(self, message: str, *, detail: str | None = None, variables: tuple[str, ...] = (),
-                 transient: bool = False, retry: dict[str, object] | None = None) -> None:
+                 transient: bool = False, retry: dict[str, object] | None = None, change: str = "") -> None:
         super().__init__(message)
         self.detail = detail
         self.variables = variables
         self.transient = transient
         self.retry = retry or {}
+        self.change = change
 
     @property
     def answer(self) -> str:
