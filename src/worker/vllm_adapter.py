@@ -21,6 +21,7 @@ import re
 import socket
 import time
 import traceback
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, aclosing, contextmanager, suppress
 from http import HTTPStatus
@@ -352,6 +353,10 @@ _KV_CACHE_CHECKS = frozenset({"check_enough_kv_cache_memory", "_check_enough_kv_
 _MEMORY_CHECKS = frozenset({"request_memory", "CPUWorker.__init__"})
 # torch's CPU allocator fails with a plain RuntimeError: its text is the only mark.
 _CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+# vLLM 0.34's extensible KV cache commits memory through the GPU driver: every driver error is a
+# RuntimeError raised in this module, with the driver's own text ("out of memory" for CUDA's and
+# HIP's out-of-memory error).
+_GPU_DRIVER_MODULE = "vmm_driver.py"
 # vLLM's log lines (their templates) that say an engine process has loaded the weights: its
 # default loader's, and the GPU model runner's (other loaders log neither; the phase then stays
 # ``load``). The contract check looks for them in vLLM's source.
@@ -365,14 +370,18 @@ def failure_note(exc: BaseException) -> dict:
     ``kv_cache_too_small`` (the KV cache cannot hold one request of max_model_len)."""
     codes = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
     return {"type": type(exc).__name__, "message": mask_urls(str(exc)),
-            "out_of_memory": _out_of_memory(exc, codes[-1].co_qualname if codes else ""),
+            "out_of_memory": _out_of_memory(exc, codes[-1] if codes else None),
             "kv_cache_too_small": any(code.co_name in _KV_CACHE_CHECKS for code in codes)}
 
 
-def _out_of_memory(exc: BaseException, raised_in: str) -> bool:
-    return (isinstance(exc, (torch.OutOfMemoryError, MemoryError))
-            or (isinstance(exc, RuntimeError) and _CPU_ALLOCATOR_FAILED in str(exc))
-            or (isinstance(exc, ValueError) and raised_in in _MEMORY_CHECKS))
+def _out_of_memory(exc: BaseException, raised_in: types.CodeType | None) -> bool:
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    module, function = (Path(raised_in.co_filename).name, raised_in.co_qualname) if raised_in else ("", "")
+    if isinstance(exc, RuntimeError):
+        return _CPU_ALLOCATOR_FAILED in str(exc) or (
+            module == _GPU_DRIVER_MODULE and "out of memory" in str(exc).lower())
+    return isinstance(exc, ValueError) and function in _MEMORY_CHECKS
 
 
 def _note_failure(exc: BaseException) -> None:

@@ -109,6 +109,25 @@ def test_the_compile_cache_entry_is_named_by_this_releases_config_hash(models):
     assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == adapter.config_hash(vllm_config)
 
 
+def test_the_gpu_drivers_out_of_memory_is_out_of_memory():
+    """0.34's extensible KV cache commits memory through the driver: its failure is a RuntimeError
+    raised in vllm/utils/vmm_driver.py with the driver's text, which the start-up retry must read as
+    out of memory (CUDA's and HIP's error 2: "out of memory") and only then."""
+    vmm_driver = pytest.importorskip("vllm.utils.vmm_driver", reason="no extensible KV cache before 0.34")
+
+    class Driver(vmm_driver.VmmDriver):
+        def __init__(self) -> None:  # no driver library here
+            pass
+
+        def error_string(self, code: int) -> str:
+            return {2: "out of memory"}.get(code, "invalid argument")
+
+    for code, short in ((2, True), (1, False)):
+        with pytest.raises(RuntimeError) as failed:
+            Driver()._check(code)
+        assert adapter.failure_note(failed.value)["out_of_memory"] is short
+
+
 def test_the_start_up_watchdog_still_sees_the_weights_load():
     """The engine processes note that the weights are loaded from vLLM's own log lines
     (``WEIGHTS_LOADED_LOGS``): this release still logs the default loader's."""
