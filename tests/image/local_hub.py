@@ -36,12 +36,14 @@ Implemented, as huggingface_hub 2.x calls it and with the headers it reads:
 - ``GET /api/agent-harnesses``: an empty registry of AI agents, which huggingface_hub fetches once
   to build its user agent (best effort: a 404 would do too, but would show in every run's log).
 
-A repo id is matched in any case, as the hub matches it, and the repo's info answers with its own
-spelling (``id``). A revision is a branch, a tag or a full commit sha; every commit keeps its own files. Deliberately
-left out: datasets and spaces, organizations, token roles and fine-grained scopes, uploads and every
-other endpoint (404), LFS metadata (``lfs`` in siblings and trees) and CDN redirects, Xet,
-multi-range (``multipart/byteranges``) answers and ``expand``ed metadata. The server speaks
-HTTP/1.0, one request per connection, so after ``stop`` no kept-alive connection can still answer.
+Every request is recorded (``requests``); ``revisions_asked`` reads from them which revision each
+repo was asked at. A repo id is matched in any case, as the hub matches it, and the repo's info
+answers with its own spelling (``id``). A revision is a branch, a tag or a full commit sha; every
+commit keeps its own files. Deliberately left out: datasets and spaces, organizations, token roles
+and fine-grained scopes, uploads and every other endpoint (404), LFS metadata (``lfs`` in siblings
+and trees) and CDN redirects, Xet, multi-range (``multipart/byteranges``) answers and ``expand``ed
+metadata. The server speaks HTTP/1.0, one request per connection, so after ``stop`` no kept-alive
+connection can still answer.
 """
 
 from __future__ import annotations
@@ -175,6 +177,17 @@ class LocalHub:
     def spelling(self, repo_id: str) -> str:
         """The repo's id as it was added (``repo_id`` itself for a repo not added)."""
         return next((known for known in self._repos if known.casefold() == repo_id.casefold()), repo_id)
+
+    def revisions_asked(self) -> dict[str, set[str]]:
+        """The revisions each repo was asked at, as requests named them (a branch, a tag or a commit;
+        ``main`` for a repo's info without one), by the repo's id as added: which pin reached which repo."""
+        asked: dict[str, set[str]] = {}
+        for _, path, _ in self.requests:
+            url = urlsplit(path).path
+            if route := API_ROUTE.fullmatch(url) or RESOLVE_ROUTE.fullmatch(url):
+                revision = unquote(route["revision"] or "main")
+                asked.setdefault(self.spelling(route["repo"]), set()).add(revision)
+        return asked
 
     def add_token(self, token: str, *, name: str = USER) -> None:
         """Make `token` valid, as the token of user `name` (what whoami answers). Any other token is

@@ -178,6 +178,18 @@ def test_each_revision_serves_its_own_commit(hub, tmp_path, online):
     assert sorted(api.list_repo_files("org/model")) == sorted(LATEST)
 
 
+def test_revisions_asked_are_each_repos_as_requests_named_them(hub, tmp_path, online):
+    release = hub.add_repo("org/model", RELEASE, tags=["v1.0"])
+    hub.add_repo("org/tokenizer", TOKENIZER)
+    api = HfApi(token=False)
+    api.model_info("org/model", revision="v1.0")
+    hf_hub_download("ORG/Model", "config.json", revision=release, cache_dir=tmp_path, token=False)
+    api.list_repo_files("org/tokenizer")
+    with pytest.raises(RevisionNotFoundError):  # asked, though the repo has no such revision
+        api.model_info("org/tokenizer", revision="v1.0")
+    assert hub.revisions_asked() == {"org/model": {"v1.0", release}, "org/tokenizer": {"main", "v1.0"}}
+
+
 def test_listing_follows_pages_and_folders(hub, online):
     hub.page_size = 2
     files = {"config.json": b"{}", "a/b/c.json": b"c", "a/d.txt": b"d", "e.bin": b"e"}

@@ -153,6 +153,22 @@ def test_offline_the_cache_serves_and_a_cold_cache_is_named(hub, cache, monkeypa
     assert str(cache) not in str(error) and error.detail == f"the cache: {cache}"  # the path: the log's
 
 
+def test_offline_a_tokenizers_own_repo_is_found_at_its_own_branch(hub, cache, monkeypatch):
+    """A tokenizer's repo may have no config.json: the cache finds it by its ref (its default branch,
+    not the model's pin), as it finds the model."""
+    release = hub.add_repo("org/model", RELEASE, tags=["v1"])
+    hub.add_repo("org/model", LATEST)
+    tokenizer = hub.add_repo("org/tokenizer", TOKENIZER)
+    request = ModelRequest(RepoRequest("org/model", "v1", "MODEL_NAME", "MODEL_REVISION"),
+                           RepoRequest("org/tokenizer", None, "TOKENIZER_NAME", "TOKENIZER_REVISION"))
+    prepare(request)
+    hub.stop()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    model, other = prepare(request)
+    assert (model.commit, other.commit) == (release, tokenizer)
+    assert sorted(p.name for p in other.path.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+
+
 def test_too_little_free_space_is_named_before_anything_downloads(hub, cache, monkeypatch):
     hub.add_repo("org/model", {**RELEASE, "model.safetensors": b"w" * 10_000})
     # A stand-in for the disk here; tests/endpoint measures a real one that is too small.

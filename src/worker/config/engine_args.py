@@ -267,6 +267,24 @@ def _use_download(merged: dict[str, Setting], dest: str, fetched: Fetched | None
     return True
 
 
+# Each revision flag and the flag of the repo it pins (vLLM's tokenizer is the model unless set).
+_PINNED_REPOS = {"revision": "model", "tokenizer_revision": "tokenizer"}
+
+
+def _drop_local_pins(merged: dict[str, Setting]) -> None:
+    """Drop a revision whose repo is served from a local folder (or a URI): it pins nothing there, and
+    vLLM hands it on to other repos, which seldom have it (RevisionNotFound): the model's to another
+    tokenizer repo, to a config repo (hf_config_path) and, through the tokenizer's, to a draft model's
+    tokenizer (use_heterogeneous_vocab). A revision ``_use_download`` consumed is gone already."""
+    for revision_dest, repo_dest in _PINNED_REPOS.items():
+        pin, repo = merged.get(revision_dest), merged.get(repo_dest) or merged.get("model")
+        if pin is None or repo is None or settings.is_repo_id(str(repo.value)):
+            continue
+        del merged[revision_dest]
+        log.info("%s=%s not given to vLLM: %s is no hub repo, which a revision would pin, and vLLM would "
+                 "ask other repos for it", pin.source, pin.value, repo.value)
+
+
 def resolve_args(env: Mapping[str, str] | None = None, *,
                  config_file: Path | None = None,
                  baked_args_file: Path | None = None,
@@ -293,6 +311,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     if downloaded and _use_download(merged, "model", downloaded[0]):
         served_repo = downloaded[0].repo
         _use_download(merged, "tokenizer", downloaded[1])
+    _drop_local_pins(merged)
     if served_repo and "served_model_name" not in merged:
         merged["served_model_name"] = Setting(
             "served_model_name", ("--served-model-name", served_repo), "the model's repo id",

@@ -85,8 +85,8 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 __all__ = ["EXTRA_ARGS_ENV", "EndpointKind", "FitnessSettings", "WorkerConfig", "WorkerSettings", "config_file",
-           "endpoint_kind", "failure_answer_seconds", "fitness_settings", "load_config", "load_settings",
-           "model_request", "startup_timeout"]
+           "endpoint_kind", "failure_answer_seconds", "fitness_settings", "is_repo_id", "load_config",
+           "load_settings", "model_request", "startup_timeout"]
 
 
 FAILURE_ANSWER_ENV = "STARTUP_FAILURE_ANSWER_SECONDS"
@@ -474,7 +474,7 @@ def _first(env: Mapping[str, str], file: dict[str, str], names: tuple[str, ...],
     return file[key], f"{key} in {config_file(env)} (VLLM_CONFIG_FILE)"
 
 
-def _is_repo_id(name: str) -> bool:
+def is_repo_id(name: str) -> bool:
     """A hub repo id, not a local folder or a remote URI (s3://...)."""
     return not (name.startswith(("/", ".", "~")) or "://" in name or Path(name).is_dir())
 
@@ -488,7 +488,7 @@ def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
     file = _config_file_keys(env)
     baked = baked_args.read(baked_args.args_file(env), [])
     model, model_var = _first(env, file, ("MODEL_NAME", "MODEL"), "model")
-    if model is None or not _is_repo_id(model) or model == baked.get(baked_args.BAKED_SOURCE_KEYS["model"]):
+    if model is None or not is_repo_id(model) or model == baked.get(baked_args.BAKED_SOURCE_KEYS["model"]):
         return None
     revision, revision_var = _first(env, file, ("MODEL_REVISION", "REVISION"), "revision")
     timeout = _validated(env, ("MODEL_PREFLIGHT_TIMEOUT",)).model_preflight_timeout
@@ -500,7 +500,7 @@ def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
         if tokenizer_revision in (None, revision):
             return ModelRequest(request)
         tokenizer, tokenizer_var = model, model_var
-    if not _is_repo_id(tokenizer) or tokenizer == baked.get(baked_args.BAKED_SOURCE_KEYS["tokenizer"]):
+    if not is_repo_id(tokenizer) or tokenizer == baked.get(baked_args.BAKED_SOURCE_KEYS["tokenizer"]):
         return ModelRequest(request)
     # Another repo's tokenizer: its own default branch unless TOKENIZER_REVISION names one.
     return ModelRequest(request, RepoRequest(tokenizer, tokenizer_revision, tokenizer_var,

@@ -50,6 +50,7 @@ from huggingface_hub.errors import (
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
+    RevisionResolutionError,
 )
 from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import WeakFileLock, build_hf_headers
@@ -161,18 +162,17 @@ def _cached_revisions(cache: Path, repo: str) -> str:
 def _from_cache(request: RepoRequest, cache: Path, *, weights: bool, why: str) -> Fetched:
     """The repo's snapshot in the cache, checked complete for the files a download would choose:
     the hub is not asked (``why``: HF_HUB_OFFLINE, or a read-only cache, where nothing can be
-    downloaded)."""
-    config = huggingface_hub.try_to_load_from_cache(request.repo, "config.json", cache_dir=cache,
-                                                    revision=request.revision)
+    downloaded). Found by the revision's ref, not by a file: a tokenizer's repo may have no
+    config.json."""
     try:
-        if not isinstance(config, str):
-            raise LocalEntryNotFoundError("no config.json cached")
-        snapshot = Path(config).parent
+        commit = HfApi().resolve_revision(request.repo, revision=request.revision, cache_dir=cache,
+                                          local_files_only=True).resolved
+        snapshot = _repo_folder(cache, request.repo) / "snapshots" / commit
         files = select_files((p.relative_to(snapshot).as_posix() for p in snapshot.rglob("*")),
                              weights=weights)
         path = snapshot_download(request.repo, revision=request.revision, cache_dir=cache,
                                  local_files_only=True, allow_patterns=files)
-    except (LocalEntryNotFoundError, ValueError):
+    except (LocalEntryNotFoundError, RevisionResolutionError, ValueError):
         raise _not_cached(request, cache, why) from None
     source = "RunPod's model cache" if why == READ_ONLY else "the Hugging Face cache"
     log.info("Model %s: from %s (%s), commit %s, no download: %s", request.repo, source, why,
