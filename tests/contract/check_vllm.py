@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import engine_env
+from conftest import REPO, engine_env
 
 from worker import vllm_adapter as adapter
 from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, REFUSED_ENGINE, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
@@ -490,7 +490,6 @@ def test_legacy_rope_variables_reach_the_model_config(models):
 
 # --- 6. the GPU image's requirements with the release's CUDA wheel --------------------------------
 
-REPO = Path(__file__).resolve().parents[2]
 # The official vLLM image's Python and glibc (Ubuntu 22.04), which the GPU image installs onto.
 GPU_IMAGE_PYTHON, GPU_IMAGE_PLATFORM = "3.12", "x86_64-manylinux_2_35"
 # uv's answer when a release pins a version the registry does not have.

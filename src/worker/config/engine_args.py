@@ -254,6 +254,11 @@ def _alias_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -
     return out
 
 
+# The flag of each repo the worker may fetch, and the flag of its revision (vLLM's tokenizer is the
+# model unless set).
+_REVISION_OF = {"model": "revision", "tokenizer": "tokenizer_revision"}
+
+
 def _use_download(merged: dict[str, Setting], dest: str, fetched: Fetched | None) -> bool:
     """Serve ``preflight``'s snapshot for the flag that names its repo (or for the tokenizer, when
     only its revision differs); its revision flag then has nothing left to pick."""
@@ -263,12 +268,10 @@ def _use_download(merged: dict[str, Setting], dest: str, fetched: Fetched | None
     path = str(fetched.path)
     source = f"{setting.source if setting else 'the model'}: {fetched.repo} at commit {fetched.commit[:12]}"
     merged[dest] = Setting(dest, (f"--{dest}", path), source, path)
-    merged.pop("revision" if dest == "model" else "tokenizer_revision", None)
+    merged.pop(_REVISION_OF[dest], None)
     return True
 
 
-# Each revision flag and the flag of the repo it pins (vLLM's tokenizer is the model unless set).
-_PINNED_REPOS = {"revision": "model", "tokenizer_revision": "tokenizer"}
 
 
 def _drop_local_pins(merged: dict[str, Setting]) -> None:
@@ -276,7 +279,7 @@ def _drop_local_pins(merged: dict[str, Setting]) -> None:
     vLLM hands it on to other repos, which seldom have it (RevisionNotFound): the model's to another
     tokenizer repo, to a config repo (hf_config_path) and, through the tokenizer's, to a draft model's
     tokenizer (use_heterogeneous_vocab). A revision ``_use_download`` consumed is gone already."""
-    for revision_dest, repo_dest in _PINNED_REPOS.items():
+    for repo_dest, revision_dest in _REVISION_OF.items():
         pin, repo = merged.get(revision_dest), merged.get(repo_dest) or merged.get("model")
         if pin is None or repo is None or settings.is_repo_id(str(repo.value)):
             continue
