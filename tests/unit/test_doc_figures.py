@@ -30,7 +30,7 @@ VERSIONS = {"0.32", "0.33", "0.34", "2.24", "2.27"}
 UNIT = r"\s?(?:×|x\b|s\b|ms\b|µs\b|%)"
 # A number with a decimal point, not part of a longer dotted number (1.10.0) or a word.
 NUMBER = re.compile(rf"(?<![\w.])(\d+\.(\d+))(?![\w.]|\.\d)({UNIT})?")
-VERSION_BEFORE = re.compile(r"(?:vLLM|vllm|worker-vllm|torch|Python|runpod|openai|CUDA|v)\s?$")
+VERSION_BEFORE = re.compile(r"(?:vLLM|vllm|worker-vllm|torch|Python|glibc|runpod|openai|CUDA|v)\s?$")
 
 
 def figures(text: str) -> list[str]:
