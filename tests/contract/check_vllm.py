@@ -529,7 +529,7 @@ def _resolve_gpu_image(wanted: str, left_out: list[str], tmp_path: Path) -> subp
 def test_the_gpu_images_requirements_resolve_with_the_releases_cuda_wheel(tmp_path):
     """The GPU image installs builder/requirements.txt onto the official image of this release, so
     each of its pins must agree with the release's own (its CUDA wheel's metadata on the registry),
-    those of the extras that name a package it pins included (``vllm[runai]``: the streamer's).
+    those of the extras that name a package it pins included (``vllm[fastsafetensors,runai]``).
     A pin that the registry no longer has (0.34's flashinfer-python==0.7.3, which its image ships, and
     runai-model-streamer-azure==0.17.1, which the worker does not use) is left out of the resolution,
     with a warning, unless the worker pins it too."""
