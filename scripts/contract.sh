@@ -96,6 +96,6 @@ if [[ -n "$SITE" ]]; then
 fi
 # triton_present (tests/contract): vLLM configures as if Triton were installed (docs/development.md).
 export PYTHONPATH="$REPO/tests/contract${PYTHONPATH:+:$PYTHONPATH}"
-exec .venv/bin/python -m pytest -p no:cacheprovider -p triton_present tests/contract/check_vllm.py \
+exec .venv/bin/python -m pytest -n 0 -p no:cacheprovider -p triton_present tests/contract/check_vllm.py \
   tests/unit/test_engine_args.py tests/unit/test_extra_args.py tests/unit/test_legacy_env.py \
   tests/unit/test_job_input.py tests/unit/test_raw_format.py "$@"

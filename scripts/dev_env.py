@@ -31,23 +31,28 @@ def _network_check_target() -> str:
     return f"127.0.0.1:{server.getsockname()[1]}"
 
 
-CPU_ENV = {**dotenv_values(Path(__file__).with_name("cpu-dev.env")),
-           # vLLM's engine sockets, away from other runs' on the same machine
-           "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vllm-rpc-"),
-           "DISABLE_LOG_STATS": "true",
-           "NETWORK_CHECK_TARGET": os.environ.get("NETWORK_CHECK_TARGET") or _network_check_target()}
-for _name, _value in CPU_ENV.items():
-    os.environ.setdefault(_name, _value)  # values already in the environment win
+_DEFAULTS = {**dotenv_values(Path(__file__).with_name("cpu-dev.env")),
+             # vLLM's engine sockets, away from other runs' on the same machine
+             "VLLM_RPC_BASE_PATH": tempfile.mkdtemp(prefix="vllm-rpc-"),
+             "DISABLE_LOG_STATS": "true"}
+# Values already in the environment win, here and in the processes given CPU_ENV.
+CPU_ENV = {name: os.environ.get(name) or value for name, value in _DEFAULTS.items()}
+CPU_ENV["NETWORK_CHECK_TARGET"] = os.environ.get("NETWORK_CHECK_TARGET") or _network_check_target()
+os.environ.update(CPU_ENV)
 
 
 _PORTS_FROM = 20000  # above the well-known and common service ports
+# The test processes of one run (pytest-xdist's gw0, gw1, ...) each pick from their own share of
+# the ports: one cannot give a port another has just picked and not bound yet.
+_SHARE = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_SHARES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 
 
 def free_port() -> int:
     """A port of 127.0.0.1 free now, below the kernel's ephemeral range: a port from that range can
     be taken by any outgoing connection's socket before the server that was given it binds it."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(_PORTS_FROM, low), 64):
+    for port in random.sample(range(_PORTS_FROM + _SHARE, low, _SHARES), 64):
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -3,6 +3,9 @@
 vLLM on the CPU needs a few process-wide settings, set here before vLLM is imported.
 Engines are session-scoped (an engine start costs ~20 s); each owns its own event loop
 (see src/worker/engine/background_loop.py), so tests drive them with plain ``asyncio.run``.
+
+The suite runs in two processes (pytest-xdist), tests that share a fixture in the same one
+(tests/parallel.py); it ends with a line of what it started and what that took (tests/starts.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,56 @@ MODELS_ROOT = REPO / ".cache" / "models"
 SMOLLM2_DTYPE = "float32"
 
 sys.path.insert(0, str(REPO / "scripts"))
+import parallel  # noqa: E402
 from dev_env import CPU_ENV  # noqa: E402 - scripts/ is on the path from here on
+import starts  # noqa: E402
+from starts import timed  # noqa: E402
+
+
+# --- the suite in two processes (tests/parallel.py), and what it started (tests/starts.py) ---------
+
+def pytest_configure(config) -> None:
+    parallel.configure(config)
+
+
+def pytest_unconfigure() -> None:
+    parallel.unconfigure()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    parallel.order(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return parallel.GroupScheduling(config, log)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with parallel.one_at_a_time(item):
+        return (yield)
+
+
+def pytest_sessionfinish(session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist process: its starts go to the controller
+        session.config.workeroutput["starts"] = starts.to_send()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    starts.merge(node.workeroutput.get("starts", {}) if hasattr(node, "workeroutput") else {})
+
+
+def pytest_runtest_logreport(report) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # where the run reports (xdist: its controller)
+        starts.step(report.nodeid, report.duration)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The suite's last lines: what it started and what that took, and each folder's seconds."""
+    terminalreporter.write_line(starts.by_folder())
+    terminalreporter.write_line(starts.summary())
 
 
 @pytest.fixture
@@ -77,7 +129,8 @@ def _build_engine(env: dict[str, str]):
     from worker.engine.vllm_engine import vLLMEngine
     from worker.config.settings import load_config
 
-    return vLLMEngine(load_config(env), on_load=LOAD_FEED)
+    with timed("engines"):
+        return vLLMEngine(load_config(env), on_load=LOAD_FEED)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ import openai
 import pytest
 from conftest import CPU_ENV, REPO, descendants
 from dev_env import free_port
+from starts import record
 
 API_KEY = "test-key-5f1c"  # the workers' RUNPOD_AI_API_KEY too
 HF_TOKEN = "hf_test_secret_9b2e"  # read by huggingface_hub; must never be logged
@@ -36,11 +37,14 @@ class LocalEndpoint:
             stdout=log_path.open("w"), stderr=subprocess.STDOUT)
         self.http = httpx.Client(base_url=self.base, headers={"Authorization": f"Bearer {API_KEY}"},
                                  timeout=120)
-        if ready_timeout is None:
-            self.ready_after = None
-            self._wait_serving()
-        else:
-            self.ready_after = self._wait_ready(workers, ready_timeout)
+        try:
+            if ready_timeout is None:
+                self.ready_after = None
+                self._wait_serving()
+            else:
+                self.ready_after = self._wait_ready(workers, ready_timeout)
+        finally:
+            record("endpoints", time.monotonic() - self.started, workers)
 
     def _wait_serving(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

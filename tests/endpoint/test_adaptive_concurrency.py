@@ -12,7 +12,7 @@ waiting requests, KV-cache usage, requests started, finished and preempted; benc
   each holds a few jobs beyond what fits (those finishing in one job take), never more, and neither
   preempts.
 
-``-s`` prints each worker's jobs held and vLLM's waiting requests over time.
+``-n 0 -s`` (one process, output shown) prints each worker's jobs held and vLLM's waiting requests over time.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ does not grow across the second half.
 
 CI runs 100 jobs. The long run (figures printed as JSON)::
 
-    LOAD_JOBS=1000 scripts/test.sh tests/endpoint/test_load.py -s --timeout=0
+    LOAD_JOBS=1000 scripts/test.sh tests/endpoint/test_load.py -n 0 -s --timeout=0
 """
 
 from __future__ import annotations

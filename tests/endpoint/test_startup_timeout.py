@@ -18,9 +18,10 @@ from test_startup_failures import answered, online
 
 from tests.image.local_hub import LocalHub
 
-TIMEOUT = 20  # far above the imports and hub checks before the download, which take about a second
-PACE = 8e6  # bytes a second: a 10 MiB piece of the weights lands every 1.3 s
-PROGRESSED = 100e6  # the download is held once this much of the weights has gone out (about 12 s)
+TIMEOUT = 10  # far above the imports and hub checks before the download, which take about a second
+PACE = 12.5e6  # bytes a second: a 10 MiB piece of the weights lands every 0.8 s
+PROGRESSED = 100e6  # the download is held once this much of the weights has gone out (8 s)
+ANSWER_WINDOW = 15  # seconds the worker answers with its failure: far more than answering takes
 TIMED_OUT = re.compile(rf"the worker did not become ready within VLLM_STARTUP_TIMEOUT={TIMEOUT} s: "
                        r"(\d+) s after its start \((\d+) s of download progress not counted\), "
                        r"the last (\d+) s in phase '(\S+)'")
@@ -37,7 +38,7 @@ def hub(models):
 def test_a_download_is_counted_only_once_it_stalls(hub, tmp_path):
     hub.bytes_per_second = PACE
     env = online(hub, tmp_path, MODEL_NAME="org/smol", VLLM_STARTUP_TIMEOUT=str(TIMEOUT),
-                 STARTUP_FAILURE_ANSWER_SECONDS="30")
+                 STARTUP_FAILURE_ANSWER_SECONDS=str(ANSWER_WINDOW))
     endpoint = LocalEndpoint(env, 1, tmp_path / "endpoint.log", ready_timeout=None)
     try:
         weights = lambda: next((d for d in hub.downloads if d.path == "model.safetensors"), None)  # noqa: E731
@@ -52,7 +53,8 @@ def test_a_download_is_counted_only_once_it_stalls(hub, tmp_path):
         assert TIMEOUT - 2 <= int(after) - int(uncounted) <= TIMEOUT + 3  # ... its stall was, in full
         assert int(last) <= time.monotonic() - stalled + 2
         assert not weights().complete
-        wait_for(lambda: "local-worker-0 exited with status 1" in endpoint.log(), 60)  # as any failed start
+        # as any failed start, once its answer window has passed
+        wait_for(lambda: "local-worker-0 exited with status 1" in endpoint.log(), ANSWER_WINDOW + 30)
     finally:
         endpoint.stop()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import huggingface_hub.constants
 from conftest import engine_env
 from hub_cache import add_cached_repo
+from starts import timed
 
 from worker.model.download_model import bake
 
@@ -23,7 +24,8 @@ def test_the_worker_serves_the_baked_model_offline(models, tmp_path, monkeypatch
     baked = bake({"MODEL_NAME": "org/tiny", "BAKED_MODELS_DIR": str(cache),
                   "LOCAL_MODEL_ARGS_FILE": str(args_file)})
 
-    engine = vLLMEngine(load_config(engine_env("org/tiny", LOCAL_MODEL_ARGS_FILE=str(args_file))))
+    with timed("engines"):
+        engine = vLLMEngine(load_config(engine_env("org/tiny", LOCAL_MODEL_ARGS_FILE=str(args_file))))
     try:
         assert engine.engine_args.model == baked["MODEL_NAME"]
         assert engine.engine_args.served_model_name == ["org/tiny"]

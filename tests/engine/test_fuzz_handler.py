@@ -3,7 +3,7 @@ normal output or exactly one structured error, in bounded time, and the worker k
 
 CI runs 120 derandomised examples. The long run (random, counts printed at the end)::
 
-    FUZZ_EXAMPLES=10000 scripts/test.sh tests/engine/test_fuzz_handler.py -s --timeout=0
+    FUZZ_EXAMPLES=10000 scripts/test.sh tests/engine/test_fuzz_handler.py -n 0 -s --timeout=0
 """
 
 from __future__ import annotations

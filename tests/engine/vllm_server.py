@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sse_events
+from starts import record
 
 from worker.wire import sse
 from worker.config.engine_args import resolve_args
@@ -47,12 +48,14 @@ def vllm_servers(envs: dict[str, dict[str, str]], folder: Path) -> Iterator[dict
         servers[name] = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://vllm",
                                      timeout=120)
     try:
-        deadline = time.monotonic() + 300 * len(envs)
+        started = time.monotonic()
+        deadline = started + 300 * len(envs)
         for (proc, log), server in zip(procs, servers.values(), strict=True):
             while not _healthy(server):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"vLLM server did not start:\n{log.read_text()[-3000:]}")
                 time.sleep(1)
+            record("vllm serve", time.monotonic() - started)
         yield servers
     finally:
         for server in servers.values():

@@ -25,6 +25,7 @@ from build_models import build_lora
 from conftest import CPU_ENV, REPO
 from doc_pages import README, section
 from image import Built, build, buildah, copy_context, image_config
+from starts import timed
 from worker.config.settings import VOLUME_CACHE_DIR
 
 from tests.endpoint.local_endpoint import LocalEndpoint
@@ -73,8 +74,9 @@ def bake(hub: LocalHub, tag: str, token: str | None = TOKEN, context: Path = REP
     overrides = {"MODEL_NAME": MODEL, "MODEL_REVISION": REVISION, "TOKENIZER_NAME": TOKENIZER,
                  "LORA_ADAPTERS": LORA_ADAPTERS, "HF_ENDPOINT": hub.url} | args
     env = {"HF_TOKEN": token} if token else {}
-    return build("worker-cpu-baked", overrides, tag=f"localhost/worker-vllm-test:{tag}", context=context,
-                 env=env)
+    with timed("images"):
+        return build("worker-cpu-baked", overrides, tag=f"localhost/worker-vllm-test:{tag}", context=context,
+                     env=env)
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,20 @@ def call(app, method, path, body=None, content_type="application/json"):
     return asyncio.run(go())
 
 
+def ping_headers(app) -> dict[str, str]:
+    async def go():
+        async with request(app, "GET", "/ping") as response:
+            return response.headers
+    return asyncio.run(go())
+
+
+def test_a_ping_while_starting_closes_its_connection_and_one_while_serving_keeps_it():
+    """The starting server stops as the port's server moves to the engine's loop: a client that kept
+    its connection open would have its next ping cut (seen: RemoteProtocolError in the suite)."""
+    assert ping_headers(WorkerApp()) == {"connection": "close"}
+    assert ping_headers(serving_app()[0]) == {}
+
+
 def test_ping_answers_by_phase_and_an_engine_death_is_reported_once_per_ping():
     app = WorkerApp()
     assert call(app, "GET", "/ping")[0] == 204

@@ -24,6 +24,7 @@ import pytest
 import sse_events
 from conftest import CPU_ENV, REPO, alive, descendants, engine_env, wait_for
 from dev_env import free_port
+from starts import record
 
 HANDLER = str(REPO / "src" / "handler.py")
 GRACE_SECONDS = 6
@@ -48,6 +49,7 @@ class Worker:
                                           **ports}, start_new_session=True)
         self.http = httpx.Client(base_url=self.url, timeout=120)
         self.pings: list[int | str] = []
+        self.launched = time.monotonic()
 
     def ping(self) -> int | str:
         try:
@@ -60,6 +62,7 @@ class Worker:
         while time.monotonic() < deadline and self.proc.poll() is None:
             self.pings.append(status := self.ping())
             if status == 200:
+                record("worker processes", time.monotonic() - self.launched)
                 return
             time.sleep(0.05)
         self.kill()

@@ -19,6 +19,7 @@ import urllib.request
 import pytest
 from conftest import CPU_ENV, REPO, alive, descendants, engine_env, wait_for
 from dev_env import free_port
+from starts import record, timed
 
 HANDLER = str(REPO / "src" / "handler.py")
 RP_API_ARGS = ("--rp_serve_api", "--rp_api_port", "0", "--rp_api_host", "127.0.0.1")
@@ -50,10 +51,11 @@ def test_bad_configuration_exits_before_the_model_loads(models, env, fragment):
     """With no answer window (STARTUP_FAILURE_ANSWER_SECONDS=0) the worker exits at once, status 2;
     tests/endpoint/test_startup_failures.py has the window, jobs answered with the cause."""
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, HANDLER],
-                          env=worker_env(**engine_env(models["tiny-llama"], STARTUP_FAILURE_ANSWER_SECONDS="0",
-                                                      **env)),
-                          capture_output=True, text=True, timeout=120)
+    with timed("worker processes"):
+        proc = subprocess.run([sys.executable, HANDLER],
+                              env=worker_env(**engine_env(models["tiny-llama"], STARTUP_FAILURE_ANSWER_SECONDS="0",
+                                                          **env)),
+                              capture_output=True, text=True, timeout=120)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2 and logged_exits(output) == {2}, output
     assert "Worker could not start: invalid configuration" in output and fragment in output
@@ -131,8 +133,9 @@ def test_after_the_answer_window_the_worker_exits_with_the_status_it_logs(models
     """Under --rp_serve_api uvicorn ends the process in main()'s SIGTERM handler, which exited 0 whatever
     the log said."""
     log_path = tmp_path / "worker.log"
-    proc = failing_worker(mode, failure_env(models, tmp_path, status, 2), log_path, job_server)
-    code = proc.wait(timeout=120)
+    with timed("worker processes"):
+        proc = failing_worker(mode, failure_env(models, tmp_path, status, 2), log_path, job_server)
+        code = proc.wait(timeout=120)
     log = log_path.read_text()
     assert "Stopping after the answer window (STARTUP_FAILURE_ANSWER_SECONDS): exit" in log, log[-3000:]
     assert code == status and logged_exits(log) == {status}, log[-3000:]
@@ -145,7 +148,8 @@ def test_a_sigterm_within_the_answer_window_exits_with_the_failures_status(model
     log_path = tmp_path / "worker.log"
     proc = failing_worker(mode, failure_env(models, tmp_path, 2, 60), log_path, job_server)
     try:
-        wait_for(lambda: answering(mode, log_path, job_server) or proc.poll() is not None, 60)
+        record("worker processes",
+               wait_for(lambda: answering(mode, log_path, job_server) or proc.poll() is not None, 60))
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=30)
     finally:
@@ -163,10 +167,12 @@ def serve_api(models, log) -> tuple[subprocess.Popen, str]:
             [sys.executable, HANDLER, *RP_API_ARGS],
             env=worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info"),
             stdout=sink, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 240
+    launched = time.monotonic()
+    deadline = launched + 240
     while time.monotonic() < deadline and proc.poll() is None:
         if started := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log.read_text()):
             urllib.request.urlopen(started[1] + "/docs", timeout=10)
+            record("worker processes", time.monotonic() - launched)
             return proc, started[1]
         time.sleep(1)
     proc.kill()
@@ -249,7 +255,8 @@ def test_vllms_engine_processes_send_no_usage_statistics_by_default(models, tmp_
     with log.open("w") as sink:
         proc = subprocess.Popen([sys.executable, HANDLER], env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
-        engine = spawned_engine(proc, 180)
+        with timed("worker processes"):
+            engine = spawned_engine(proc, 180)
     finally:
         spawned = descendants(proc.pid)
         proc.terminate()

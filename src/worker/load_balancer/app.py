@@ -263,7 +263,11 @@ class WorkerApp:
             return
         path = scope["path"]
         if path == "/ping":
-            await send({"type": "http.response.start", "status": self._ping_status(), "headers": []})
+            # While starting, the server answering is stopped once the engine is up (the port's
+            # server moves to the engine's loop): a connection kept open would be closed under the
+            # client's next request. A new one waits in the socket's backlog through the move.
+            close = [(b"connection", b"close")] if self.phase is Phase.STARTING else []
+            await send({"type": "http.response.start", "status": self._ping_status(), "headers": close})
             await send({"type": "http.response.body", "body": b""})
         elif (refusal := self._refusal(scope)) is not None:
             await self._refuse(send, path, *refusal)
