@@ -88,7 +88,8 @@ def one_at_a_time(item: pytest.Item) -> Iterator[None]:
     exclusive for an ``alone`` one. An exclusive request holds the turnstile while it waits, so that
     no other test starts meanwhile (flock alone would let shared holders take turns for ever)."""
     folder = os.environ[LOCKS]
-    with open(os.path.join(folder, "turnstile"), "a") as turnstile, open(os.path.join(folder, "tests"), "a") as lock:
+    with (open(os.path.join(folder, "turnstile"), "a") as turnstile,
+          open(os.path.join(folder, "tests"), "a") as lock):
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
         fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["merge", "record", "summary", "timed", "to_send"]
+__all__ = ["by_folder", "merge", "record", "step", "summary", "timed", "to_send"]
 
 KINDS = ("engines", "vllm serve", "worker processes", "endpoints", "images")
 _SECONDS: dict[str, list[float]] = defaultdict(list)

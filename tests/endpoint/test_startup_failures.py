@@ -6,8 +6,9 @@ endpoint), and one that exits at once (STARTUP_FAILURE_ANSWER_SECONDS=0). Out-of
 the engine's own KV-cache error, once with a length the user chose (answered), once without
 (tried again with vLLM fitting the length, and served); and memory short at start, with half of it
 held by another process (tried again with a lower GPU_MEMORY_UTILIZATION, then answered with both
-values: tests/endpoint/test_memory_held_start.py). Last, what callers are told and what only the log has: a mirror's address with credentials
-(masked in the log too), the cache's path, vLLM's own text (the KV-cache case above)."""
+values: tests/endpoint/test_memory_held_start.py). Last, what callers are told and what only the log
+has: a mirror's address with credentials (masked in the log too), the cache's path, vLLM's own text
+(the KV-cache case above)."""
 
 from __future__ import annotations
 
