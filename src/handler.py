@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from worker.env_text import env_value
 from worker.jobs.deadlines import DeadlinePassed, Deadlines, deadline_error
 from worker.jobs.job_input import JobInput
+from worker.startup import cpu_info
 from worker.startup.process_exit import exit_on_sigterm, stop_then_exit
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import RequestError, StartupError, error_from_exception, error_response
@@ -320,6 +321,7 @@ def load_env_file(path: Path = ENV_FILE) -> bool:
 
 
 def main() -> None:
+    cpu_info.install()  # before the runpod SDK is imported: it asks for the CPU's name (startup/cpu_info)
     _configure_logging()
     # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK's job
     # loop replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
