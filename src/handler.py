@@ -320,9 +320,16 @@ def load_env_file(path: Path = ENV_FILE) -> bool:
     return load_dotenv(path, override=False)
 
 
-def main() -> None:
-    cpu_info.install()  # before the runpod SDK is imported: it asks for the CPU's name (startup/cpu_info)
+def set_up_process() -> None:
+    """What comes before anything else: py-cpuinfo's probe replaced before the runpod SDK asks it
+    (startup/cpu_info), then the .env read, then logging set up (LOG_LEVEL may be in the .env)."""
+    cpu_info.install()
+    load_env_file()
     _configure_logging()
+
+
+def main() -> None:
+    set_up_process()
     # SIGTERM exits through Python, so the ``finally`` below shuts vLLM down. The runpod SDK's job
     # loop replaces this handler with its own; uvicorn (--rp_serve_api) re-raises the SIGTERM it
     # handled once it has stopped, which would otherwise kill the process on the spot. There this
@@ -336,7 +343,6 @@ def main() -> None:
         now = time.perf_counter()
         phases[name], mark = now - mark, now
 
-    load_env_file()
     from worker.config.settings import endpoint_kind, startup_timeout
     from worker.startup.steps import fitness_checks
     from worker.startup.watchdog import Watchdog

@@ -107,7 +107,7 @@ __all__ = [
     "memory_estimate", "memory_utilization", "note_engine_failures", "plugin_adapter", "refused_variable",
     "POOLING_TASKS", "PoolingParams", "prompt_tokens", "REQUEST_ERRORS", "REQUEST_FIELDS", "RequestOutput",
     "RequestOutputKind", "SAMPLING_FIELDS", "SamplingParams", "serve_adapters", "start_engine",
-    "TokensPrompt", "unsupported_architectures", "validate_frontend_args", "visible_gpu_count",
+    "TokensPrompt", "unsupported_architectures", "validate_frontend_args", "visible_gpu_count", "vllm_env_names",
     "VLLM_RESOLVES_MEMORY_UTILIZATION", "VLLM_VERSION", "VllmConfig", "WEIGHTS_LOADED_LOGS",
 ]
 
@@ -275,6 +275,11 @@ def engine_config_message(exc: BaseException) -> str:
     if isinstance(exc, pydantic.ValidationError):
         return "; ".join(err["msg"].removeprefix("Value error, ") for err in exc.errors())
     return str(exc) or type(exc).__name__
+
+
+def vllm_env_names() -> frozenset[str]:
+    """The environment variables vLLM itself reads (``vllm.envs``)."""
+    return frozenset(vllm.envs.environment_variables)
 
 
 def refused_variable(exc: BaseException) -> str | None:
@@ -714,9 +719,11 @@ def import_app_modules() -> list:
     return [importlib.import_module(name) for name in APP_MODULES]
 
 
-async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adapters=None):
+async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adapters=None,
+                           model_root: str | None = None):
     """vLLM's own OpenAI/Anthropic ASGI app with its serving state, as `vllm serve` builds it;
-    ``adapters`` (``engine/adapters.Adapters``): the registry its serving classes find adapters in.
+    ``adapters`` (``engine/adapters.Adapters``): the registry its serving classes find adapters in;
+    ``model_root``: the served model's root in ``/v1/models`` (``show_model_roots``).
 
     Like `vllm serve`'s app start-up, this freezes the start-up heap out of the garbage collector:
     otherwise each full collection while serving walks vLLM's and torch's ~600k start-up objects
@@ -737,9 +744,11 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adap
     app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthenticationMiddleware]
     app.middleware_stack = app.build_middleware_stack()
     await state_module.init_app_state(engine, app.state, namespace, supported_tasks)
-    if adapters is not None and (models := getattr(app.state, "openai_serving_models", None)):
-        serve_adapters(models, adapters.resolve, adapters.loaded, adapters.available)
-        _allow_adapters_by_name()
+    if models := getattr(app.state, "openai_serving_models", None):
+        if adapters is not None:
+            serve_adapters(models, adapters.resolve, adapters.loaded, adapters.available)
+            _allow_adapters_by_name()
+        show_model_roots(models, model_root)
     freeze_gc_heap()
     return app
 
@@ -800,8 +809,7 @@ def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRAReques
     """Makes vLLM's ``OpenAIServingModels`` (one app's) find adapters through the worker's registry:
     its adapters (``LORA_MODULES``', loaded already) join ``loaded``, which it then shares;
     ``resolve_lora`` asks ``resolve``; ``/v1/models`` also lists ``available()``'s names, once each
-    (``loaded`` holds other spellings too), and shows no folder of the server's: vLLM's ``root`` is
-    an adapter's or a local model's path, so a card's root is its id there."""
+    (``loaded`` holds other spellings too)."""
     loaded.update(models.lora_requests)
     models.lora_requests = loaded
 
@@ -824,13 +832,29 @@ def serve_adapters(models, resolve: ResolveAdapter, loaded: dict[str, LoRAReques
         base = models.base_model_paths[0].name
         cards.update((name, ModelCard(id=name, root=name, parent=base, permission=[ModelPermission()]))
                      for name in await available() if name not in cards)
-        for card in cards.values():
-            if card.root and os.path.isabs(card.root):
-                card.root = card.id
         listed.data = list(cards.values())
         return listed
 
     models.resolve_lora = resolve_lora
+    models.show_available_models = show_available_models
+
+
+def show_model_roots(models, root: str | None) -> None:
+    """``/v1/models`` (vLLM's ``OpenAIServingModels``) shows no folder of the server's: vLLM's card
+    ``root`` is the path it loaded the model or an adapter from. The served model's root becomes
+    ``root`` (the repo id the user named, whose copy is served), other absolute ones the card's id."""
+    show = models.show_available_models
+    served_from = {path.model_path for path in models.base_model_paths}
+
+    async def show_available_models():
+        listed = await show()
+        for card in listed.data:
+            if root and card.root in served_from:
+                card.root = root
+            elif card.root and os.path.isabs(card.root):
+                card.root = card.id
+        return listed
+
     models.show_available_models = show_available_models
 
 

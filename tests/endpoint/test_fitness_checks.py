@@ -2,8 +2,8 @@
 runpod SDK's variables set to fail each check that can fail on this machine (the network one through
 the endpoint's loopback target, which it makes refuse; the CUDA version through an ``nvidia-smi`` that
 reports an old driver, or a GPU that this CPU build of torch cannot see; the SDK's ``gpu_test`` through
-a failing stand-in), each failure answered on the jobs (503 on a load-balancing endpoint) before the
-worker loads or downloads anything. That they pass, and that the SDK does not run them a second time,
+a failing stand-in, with an ``nvidia-smi --list-gpus`` that fails: the SDK's fallback), each failure
+answered on the jobs (503 on a load-balancing endpoint) before the worker loads or downloads anything. That they pass, and that the SDK does not run them a second time,
 is asserted on the log of a worker that serves (tests/endpoint/test_local_endpoint.py)."""
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ def script(folder, name: str, body: str):
 
 
 def fake_gpu_host(tmp_path, overrides: dict[str, str]) -> dict[str, str]:
-    """``PATH``: OLD or NEW, an ``nvidia-smi`` that reports a GPU with that driver first on PATH;
-    ``RUNPOD_BINARY_GPU_TEST_PATH``: FAIL, a ``gpu_test`` whose allocation fails."""
+    """``PATH``: OLD or NEW, an ``nvidia-smi`` that reports a GPU with that driver first on PATH (and
+    whose ``--list-gpus``, the SDK's fallback from ``gpu_test``, fails); ``RUNPOD_BINARY_GPU_TEST_PATH``:
+    FAIL, a ``gpu_test`` whose allocation fails."""
     changed = dict(overrides)
     if driver := overrides.get("PATH"):
-        script(tmp_path / "bin", "nvidia-smi", f"echo '{DRIVERS[driver]}'")
+        script(tmp_path / "bin", "nvidia-smi", 'if [ "$1" = --list-gpus ]; then echo "No devices were found" >&2; '
+                                               f"exit 6; fi\necho '{DRIVERS[driver]}'")
         changed["PATH"] = f"{tmp_path / 'bin'}:{os.environ['PATH']}"
     if overrides.get("RUNPOD_BINARY_GPU_TEST_PATH"):
         failing = "echo 'Found 1 GPUs:'; echo 'GPU 0: cudaMalloc failed: out of memory'"
@@ -54,11 +56,13 @@ FAILURES = {
                      r"fitness check 'cuda_version' failed: the driver supports CUDA 11\.4, "
                      r"CUDA 11\.8 required \(RUNPOD_MIN_CUDA_VERSION\)"),
     "gpu compute": ({"PATH": "NEW"}, (),
-                    r"fitness check 'gpu_compute' failed: nvidia-smi shows a GPU, torch\.cuda none"),
+                    r"fitness check 'gpu_compute' failed: nvidia-smi shows a GPU, torch\.cuda none: vLLM "
+                    r"cannot use it either"),
     "gpu test": ({"PATH": "NEW", "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
                   "RUNPOD_BINARY_GPU_TEST_PATH": "FAIL"},
                  (), r"fitness check 'gpu_test' failed: GPU memory allocation: GPU 0: cudaMalloc failed: "
-                     r"out of memory"),
+                     r"out of memory; and the SDK's fallback: nvidia-smi --list-gpus exited with 6: No devices "
+                     r"were found"),
 }
 
 

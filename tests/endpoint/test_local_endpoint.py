@@ -280,6 +280,18 @@ def test_an_openai_request_nested_too_deep_gets_a_400_in_its_dialect(endpoint, m
         assert ("code" in error) == (route == "chat/completions")  # Anthropic's shape has a type instead
 
 
+def test_json_too_deep_in_a_tool_calls_arguments_gets_a_400_not_vllms_500(endpoint, model):
+    """vLLM's chat renderer parses the arguments string, and failed with a RecursionError (a 500)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested(3000)}}
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    answer = endpoint.http.post("/openai/v1/chat/completions",
+                                json={"model": model, "max_tokens": 4, "messages": messages})
+    assert answer.status_code == 400 and "nested more than 128 levels deep" in answer.json()["error"]["message"]
+    job = endpoint.http.post("/runsync", json={"input": {"messages": messages}}).json()
+    assert job["status"] == "FAILED" and "nested more than 128 levels deep" in job["error"]
+
+
 def test_stream_returns_chunks_before_the_job_ends(endpoint):
     job = endpoint.http.post("/run", json={"input": {
         "prompt": "x", "stream": True, "sampling_params": {"max_tokens": 600, "ignore_eos": True}}}).json()

@@ -71,6 +71,10 @@ RAW_JOBS = {
     "messages": {"messages": CHAT, "sampling_params": {**GREEDY, "max_tokens": 9}},
     "sampled with a seed": {"prompt": "Hello", "sampling_params": {"max_tokens": 6, "n": 2, "seed": 1,
                                                                    "temperature": 0.8, "logprobs": 2}},
+    # the other prompts /v1/completions takes
+    "prompts": {"prompt": ["The capital of France is", "One, two,"], "sampling_params": GREEDY},
+    "token ids": {"prompt": [504, 3575, 282, 461, 314], "sampling_params": GREEDY},
+    "lists of token ids": {"prompt": [[504, 3575], [282, 461, 314]], "sampling_params": GREEDY},
 }
 
 
@@ -204,10 +208,11 @@ def test_worker_vllms_subprocess_variables_are_warned_about_once(endpoint, worke
         assert log.count(f"WARNING worker.config.legacy_env: {name} is ignored: ") == 1
 
 
-def test_an_unknown_key_is_ignored_with_a_warning(endpoint, worker):
-    (answer,) = worker.run_sync({"input": {**RAW_JOBS["prompt"], "webhook_note": "x"}}, timeout=60)
+def test_an_unknown_key_or_a_label_is_ignored_with_a_warning(endpoint, worker):
+    job_input = {**RAW_JOBS["prompt"], "webhook_note": "x", "user": "customer-42"}
+    (answer,) = worker.run_sync({"input": job_input}, timeout=60)
     assert answer["usage"]["completion_tokens"] == GREEDY["max_tokens"]
-    assert "input keys 'webhook_note' are not read (ignored)" in endpoint.log()
+    assert "input keys 'user', 'webhook_note' are not read (ignored)" in endpoint.log()
 
 
 def test_the_start_names_its_phases_as_it_enters_them(endpoint, worker):

@@ -124,6 +124,15 @@ def test_logprobs_per_token(tiny_engine, run_job):
     assert all(e["logprob"] <= 0 and 1 <= len(e["top_logprobs"]) <= 3 for e in logprobs)
 
 
+def test_token_ids_answer_as_the_text_they_encode(tiny_engine, run_job):
+    params = {"max_tokens": 8, "temperature": 0}
+    ids = tiny_engine.tokenizer.encode("Once upon a time", add_special_tokens=True)
+    by_ids = run_job(tiny_engine, {"prompt": ids, "sampling_params": params})
+    by_text = run_job(tiny_engine, {"prompt": "Once upon a time", "sampling_params": params})
+    assert texts(by_ids) == texts(by_text) and by_ids[0]["usage"] == by_text[0]["usage"]
+    assert by_ids[0]["usage"]["input"] == len(ids)
+
+
 def test_stop_and_seed(tiny_engine, run_job):
     job = {"prompt": "Hello", "sampling_params": {"max_tokens": 20, "seed": 11, "temperature": 1.0,
                                                   "ignore_eos": True}}  # no early EOS: text to stop in
@@ -147,6 +156,11 @@ BAD_INPUTS = [
     ({"prompt": "word " * 3000}, "input_tokens"),
     ({"prompt": "x", "sampling_params": {"n": 0}}, "sampling_params.n"),
     ({"prompt": "x", "sampling_params": {"max_tokens": 1e30}}, "sampling_params.max_tokens"),
+    # a list of prompts: the openai format's (RAW_JOB_FORMAT=openai); a bad prompt: neither
+    ({"prompt": ["Hello", "Bye"]}, "prompt"),
+    ({"prompt": [[1, 2], [3]]}, "prompt"),
+    ({"prompt": [1, 2], "apply_chat_template": True}, "prompt"),
+    ({"prompt": [1, "two"]}, "prompt"),
 ]
 
 

@@ -4,6 +4,7 @@ checks made before vLLM loads it. Adapters here are folders with a config (no we
 from __future__ import annotations
 
 import json
+import subprocess
 from http import HTTPStatus
 from pathlib import Path
 
@@ -138,6 +139,31 @@ def test_a_hub_out_of_reach_is_a_502_and_offline_only_the_cache_is_asked(online,
     assert raised.value.status == HTTPStatus.BAD_GATEWAY
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert found.find("org/one") is None
+
+
+@pytest.fixture
+def read_only_cache(tmp_path):
+    """An empty Hugging Face hub cache, mounted read-only (as RunPod's model cache is)."""
+    cache = tmp_path / "read-only-cache"
+    cache.mkdir()
+    if subprocess.run(["mount", "--bind", cache, cache], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", cache], check=True)
+        yield cache
+    finally:
+        subprocess.run(["umount", "-l", cache], check=True)
+
+
+def test_a_hub_adapter_a_read_only_cache_cannot_take_is_a_507_that_says_so(online, hub, tmp_path, monkeypatch,
+                                                                           read_only_cache):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(read_only_cache))
+    hub.add_repo("org/one", ADAPTER_FILES)
+    with pytest.raises(AdapterError, match=r"the Hugging Face cache \(HF_HOME\) is read-only here") as raised:
+        sources(tmp_path / "volume", hub="org/*").find("org/one")
+    assert raised.value.status == HTTPStatus.INSUFFICIENT_STORAGE and "could not be asked" not in str(raised.value)
 
 
 def hub_requests(hub) -> list[str]:

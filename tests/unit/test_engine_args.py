@@ -495,14 +495,18 @@ def test_bad_baked_file(files):
 
 @pytest.mark.parametrize(("typo", "real"), [("MAX_MODEL_LENGTH", "MAX_MODEL_LEN"),
                                             ("MAX_CONCURENCY", "MAX_CONCURRENCY"),
-                                            ("ENFORCE_EAGR", "ENFORCE_EAGER")])
+                                            ("ENFORCE_EAGR", "ENFORCE_EAGER"),
+                                            ("VLLM_EXTRA_ARG", "VLLM_EXTRA_ARGS"),
+                                            ("VLLM_STARTUP_TIMEOUTS", "VLLM_STARTUP_TIMEOUT"),
+                                            ("VLLM_LOGGING_LEVE", "VLLM_LOGGING_LEVEL")])
 def test_near_miss_names_get_a_suggestion(files, caplog, typo, real):
     load_config(files.env(MODEL_NAME="m", **{typo: "1"}))
     assert f"Unknown setting {typo} is ignored; did you mean {real}?" in caplog.text
 
 
 def test_unrelated_names_get_no_suggestion(files, caplog):
-    load_config(files.env(MODEL_NAME="m", PATH="/bin", RUNPOD_POD_ID="x", MY_APP_MODE="y"))
+    load_config(files.env(MODEL_NAME="m", PATH="/bin", RUNPOD_POD_ID="x", MY_APP_MODE="y", VLLM_CPU_KVCACHE_SPACE="1",
+                          VLLM_MY_OWN_THING="z"))
     assert "did you mean" not in caplog.text
 
 

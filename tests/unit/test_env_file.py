@@ -2,6 +2,7 @@
 the process runs, and never over a variable already set (docs/configuration.md, "Worker settings")."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,8 +16,8 @@ print(json.dumps([str(handler.ENV_FILE), found, os.environ.get("WHERE"), os.envi
 """
 
 
-def run_handler_copy(tmp_path, files: dict[str, str], **env: str) -> list:
-    """``handler.load_env_file()`` of a copy of src/handler.py at ``tmp_path/app/src``, run from
+def run_handler_copy(tmp_path, files: dict[str, str], code: str = CODE, **env: str) -> list:
+    """``code`` (default: ``handler.load_env_file()``) on a copy of src/handler.py at ``tmp_path/app/src``, run from
     ``tmp_path/elsewhere`` (as the local endpoint runs its workers, in a temporary folder), with
     ``files`` ({relative path: text}) written under ``tmp_path``."""
     src = tmp_path / "app" / "src"
@@ -26,8 +27,8 @@ def run_handler_copy(tmp_path, files: dict[str, str], **env: str) -> list:
     (tmp_path / "elsewhere").mkdir()
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    clean = {k: v for k, v in os.environ.items() if k not in ("WHERE", "MINE", "PYTHONPATH")}
-    result = subprocess.run([sys.executable, "-c", CODE], cwd=tmp_path / "elsewhere", capture_output=True,
+    clean = {k: v for k, v in os.environ.items() if k not in ("WHERE", "MINE", "PYTHONPATH", "LOG_LEVEL")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "elsewhere", capture_output=True,
                             text=True, check=True, env=clean | {"PYTHONPATH": str(src)} | env)
     return json.loads(result.stdout)
 
@@ -48,6 +49,13 @@ def test_the_real_environment_wins_over_the_env_file(tmp_path):
 def test_no_env_file_beside_src_reads_none_elsewhere(tmp_path):
     _, found, where, _ = run_handler_copy(tmp_path, {"elsewhere/.env": "WHERE=cwd\n", "app/src/.env": "WHERE=src\n"})
     assert (found, where) == (False, None)
+
+
+def test_log_level_in_the_env_file_sets_the_workers_logging(tmp_path):
+    code = "import json, logging, handler\nhandler.set_up_process()\nprint(json.dumps([logging.getLogger().level]))"
+    assert run_handler_copy(tmp_path, {"app/.env": "LOG_LEVEL=debug\n"}, code) == [logging.DEBUG]
+    assert run_handler_copy(tmp_path / "real", {"app/.env": "LOG_LEVEL=debug\n"}, code,
+                            LOG_LEVEL="WARNING") == [logging.WARNING]
 
 
 def test_the_checkouts_env_file_is_its_root_and_ignored_by_git():

@@ -41,6 +41,9 @@ def test_a_bad_value_names_its_variable():
         settings(RUNPOD_MIN_MEMORY_GB="four", NETWORK_CHECK_TARGET="8.8.8.8")
     assert "RUNPOD_MIN_MEMORY_GB='four'" in str(raised.value)
     assert "NETWORK_CHECK_TARGET='8.8.8.8'" in str(raised.value)
+    for port in ("0", "99999"):
+        with pytest.raises(ConfigError, match=rf"NETWORK_CHECK_TARGET='host:{port}'.*port must be 1 to 65535"):
+            settings(NETWORK_CHECK_TARGET=f"host:{port}")
 
 
 def test_memory_and_disk_pass_and_fail_on_this_machine():
@@ -129,13 +132,36 @@ def script(tmp_path, name: str, body: str) -> str:
     return str(path)
 
 
-def test_the_gpu_test_binary_is_run_bounded_and_read(tmp_path):
-    """The SDK's binary needs a GPU: a script in its place (RUNPOD_BINARY_GPU_TEST_PATH, as the SDK)."""
+def nvidia_smi_listing(tmp_path, monkeypatch, listing: str | None) -> None:
+    """An ``nvidia-smi`` first on PATH whose ``--list-gpus`` prints ``listing`` (None: fails, as with
+    no GPU)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    body = "echo 'No devices were found' >&2; exit 6" if listing is None else f"printf '{listing}'"
+    script(bin_dir, "nvidia-smi", body)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+GPU_LINE = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\\n"
+FAILING_TEST = "echo 'Found 1 GPUs:'; echo 'GPU 0: cudaMalloc failed: out of memory'"
+
+
+def test_the_gpu_test_binary_is_run_bounded_and_read(tmp_path, monkeypatch, caplog):
+    """The SDK's binary needs a GPU: a script in its place (RUNPOD_BINARY_GPU_TEST_PATH, as the SDK).
+    Failing or hanging, it falls back to ``nvidia-smi --list-gpus``, as the SDK's check does."""
     passing = script(tmp_path, "pass", "echo 'Found 1 GPUs:'; echo 'GPU 0 memory allocation test passed.'")
     assert "passed" in fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=passing))
-    failing = script(tmp_path, "fail", "echo 'Found 1 GPUs:'; echo 'GPU 0: cudaMalloc failed: out of memory'")
-    with pytest.raises(StartupError, match="'gpu_test' failed: GPU memory allocation: GPU 0: cudaMalloc failed"):
-        fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=failing))
-    hanging = script(tmp_path, "hang", "exec sleep 30")
-    with pytest.raises(StartupError, match=r"did not finish within 0.5 s, .*\(RUNPOD_GPU_TEST_TIMEOUT\)"):
-        fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=hanging, RUNPOD_GPU_TEST_TIMEOUT="0.5"))
+    failing, hanging = script(tmp_path, "fail", FAILING_TEST), script(tmp_path, "hang", "exec sleep 30")
+    nvidia_smi_listing(tmp_path, monkeypatch, GPU_LINE * 2)
+    result = fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=failing))
+    assert result == ("GPU memory allocation: GPU 0: cudaMalloc failed: out of memory; 2 GPU(s) listed by "
+                      "nvidia-smi (the SDK's fallback)")
+    assert "which passes, as in the runpod SDK" in caplog.text
+    result = fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=hanging, RUNPOD_GPU_TEST_TIMEOUT="0.5"))
+    assert result.startswith("gpu_test did not finish within 0.5 s (RUNPOD_GPU_TEST_TIMEOUT); 2 GPU(s)")
+    for listing, why in ((None, r"the SDK's fallback: nvidia-smi --list-gpus exited with 6: No devices were found"),
+                         ("", "nvidia-smi --list-gpus lists none")):
+        nvidia_smi_listing(tmp_path, monkeypatch, listing)
+        with pytest.raises(StartupError, match=r"'gpu_test' failed: GPU memory allocation: GPU 0: cudaMalloc "
+                                               rf"failed: out of memory; and {why}"):
+            fitness.gpu_test(settings(RUNPOD_BINARY_GPU_TEST_PATH=failing))

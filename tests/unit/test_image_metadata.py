@@ -37,7 +37,9 @@ from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
 from worker.jobs.job_input import JobInput
 from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
 from worker.routes.route_table import REVIEWED
-from worker.config.settings import WorkerSettings, load_config
+from worker.config.settings import WorkerConfig, WorkerSettings, load_config
+from worker.routes.raw_format import BATCHING
+from worker.startup.steps import RETRIED_UNLESS_CHOSEN, chose
 
 pytestmark = pytest.mark.usefixtures("hub_lookups_off")
 
@@ -89,20 +91,26 @@ def env_text(value: Any) -> str | None:
     return str(value)
 
 
-def resolved(env: dict[str, str], gpus: int) -> tuple[dict[str, Any], WorkerSettings]:
-    """The engine flags (vLLM's parser and every layer of the worker's) and the worker settings that
-    ``env`` configures with ``gpus`` GPUs visible."""
+def resolved(env: dict[str, str], gpus: int) -> WorkerConfig:
+    """The configuration ``env`` makes with ``gpus`` GPUs visible: the engine flags (vLLM's parser and
+    every layer of the worker's) and the worker settings."""
     with mock.patch.object(engine_args, "visible_gpu_count", lambda: gpus):
-        config = load_config(env)
-    return vars(config.args.namespace), config.settings
+        return load_config(env)
+
+
+def behaviour(config: WorkerConfig) -> dict[str, Any]:
+    """What the worker does with ``config``: every engine flag and worker setting, and whether the
+    user set those whose being set changes what the worker does, whatever their value (a start retried
+    with less memory unless the user chose it; raw streams batched once a batching knob is set)."""
+    settings = config.settings
+    return (vars(config.args.namespace) | {f"settings.{name}": value for name, value in settings.model_dump().items()}
+            | {f"chose.{dest}": chose(config.args, dest) for dest in RETRIED_UNLESS_CHOSEN}
+            | {"settings set": sorted(settings.model_fields_set & set(BATCHING))})
 
 
 def changed(env: dict[str, str], gpus: int) -> dict[str, tuple[Any, Any]]:
     """What sending ``env`` changes with ``gpus`` GPUs visible: {flag or setting: (sent, unset)}."""
-    def flat(namespace: dict[str, Any], settings: WorkerSettings) -> dict[str, Any]:
-        return namespace | {f"settings.{name}": value for name, value in settings.model_dump().items()}
-
-    sent, unset = flat(*resolved(worker_env(**env), gpus)), flat(*resolved(worker_env(), gpus))
+    sent, unset = behaviour(resolved(worker_env(**env), gpus)), behaviour(resolved(worker_env(), gpus))
     return {key: (sent.get(key), unset.get(key)) for key in sent.keys() | unset.keys()
             if sent.get(key) != unset.get(key)}
 
@@ -115,8 +123,8 @@ def same_as_unset(env: dict[str, str]) -> bool:
 def defaults_with(gpus: int) -> dict[str, str | None]:
     """The default of every env var the worker reads, as env text, with ``gpus`` GPUs visible:
     vLLM's and the worker's engine defaults (the namespace holds both), then the worker settings."""
-    namespace, settings = resolved(worker_env(), gpus)
-    namespace |= {"model": None}
+    config = resolved(worker_env(), gpus)
+    namespace, settings = vars(config.args.namespace) | {"model": None}, config.settings
     defaults = {dest.upper(): value for dest, value in namespace.items()}
     defaults |= {name: namespace[dest] for name, dest in ENV_ALIASES.items()}
     values = settings.model_dump()

@@ -23,6 +23,13 @@ def test_defaults_and_llm_input():
     assert job.request_id.startswith("job-1-")
 
 
+@pytest.mark.parametrize(("prompt", "form"), [
+    ("hi", "text"), ([{"role": "user", "content": "hi"}], "messages"), ([], "messages"),
+    (["hi", "there"], "texts"), ([5, 6], "token_ids"), ([[5, 6], [7]], "token_id_lists")])
+def test_a_prompt_is_any_form_v1_completions_takes_or_chat_messages(prompt, form):
+    assert parse({"prompt": prompt}).input_form == form
+
+
 def test_messages_win_but_null_messages_do_not_hide_prompt():
     messages = [{"role": "user", "content": "x"}]
     assert parse({"prompt": "p", "messages": messages}).llm_input == messages
@@ -41,8 +48,10 @@ def test_batch_overrides_coerced_and_zero_means_default():
 
 @pytest.mark.parametrize(("payload", "param", "fragment"), [
     ({"messages": "hi"}, "messages", "valid list"),
-    ({"prompt": 12}, "prompt", "expected a string, or a list of chat messages"),
-    ({"prompt": ["hi"]}, "prompt", "expected a string, or a list of chat messages"),
+    ({"prompt": 12}, "prompt", "expected a string, a list of chat messages"),
+    ({"prompt": ["hi", 3]}, "prompt", "a list of strings, token ids or lists of token ids"),
+    ({"prompt": [1, True]}, "prompt", "expected a string, a list of chat messages"),
+    ({"prompt": [[1], []]}, "prompt", "expected a string, a list of chat messages"),
     ({}, None, "needs 'prompt', 'messages' or 'openai_route'"),
     ({"prompt": "x", "max_batch_size": -1}, "max_batch_size", "greater than or equal to 1"),
     ({"prompt": "x", "stream": "often"}, "stream", "valid boolean"),

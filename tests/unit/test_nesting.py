@@ -25,6 +25,20 @@ def test_the_limit_counts_objects_and_arrays_and_a_raw_part_is_always_too_deep()
     assert too_deep(Raw("[[1]]")) and too_deep({"prompt": "x", "deep": [Raw("[1]")]})
 
 
+def test_json_in_a_string_counts_its_levels_where_it_sits():
+    """A tool call's ``arguments``, which vLLM's chat renderer parses."""
+    def chat(arguments: str) -> dict:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {"messages": [{"role": "assistant", "tool_calls": [call]}]}
+
+    sits = 6  # the containers around ``arguments``
+    assert not too_deep(chat(nested(MAX_DEPTH - sits)))
+    assert too_deep(chat(nested(MAX_DEPTH - sits + 1))) and too_deep(chat(" " + nested(3000)))
+    assert not too_deep(chat('{"note": "[[[[' + "[" * 200 + '"}'))  # brackets in its strings do not count
+    assert not too_deep("x" + "[" * 200) and not too_deep("{" + "}" * 500)  # not JSON / not nesting
+    assert too_deep(nested(MAX_DEPTH + 1)) and not too_deep(nested(MAX_DEPTH))
+
+
 def test_a_batch_too_deep_to_parse_whole_is_read_job_by_job():
     """The others parse as json.loads parses them; the deep one keeps its id, its input as text."""
     good = [{"id": "a", "input": {"prompt": 'brackets in a string: [[{ \\" ]', "n": 12345678901234567890}},

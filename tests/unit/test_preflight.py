@@ -5,6 +5,7 @@ the cache offline); settings.model_request's reading of the layers, before vLLM.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import huggingface_hub
@@ -58,6 +59,14 @@ def test_a_gated_repo_without_a_token_and_with_a_token_without_access(hub, cache
     hub.add_token(OTHER)
     monkeypatch.setenv("HF_TOKEN", OTHER)
     assert "is gated, and the account of HF_TOKEN has no access" in str(failure())
+
+
+def test_a_token_from_vllm_extra_args_reads_a_gated_repo(hub, cache, tmp_path):
+    hub.add_repo("org/model", RELEASE, token=TOKEN)
+    request = request_for(tmp_path, MODEL_NAME="org/model", VLLM_EXTRA_ARGS=f"--hf-token {TOKEN} --max-model-len 64")
+    model, _ = prepare(request)  # sets HF_TOKEN (the cache fixture's monkeypatch unsets it after)
+    assert (model.path / "model.safetensors").read_bytes() == b"weights v1"
+    assert os.environ["HF_TOKEN"] == TOKEN and TOKEN not in repr(request)
 
 
 def test_a_token_the_hub_refuses(hub, cache, monkeypatch):
@@ -196,6 +205,14 @@ def test_model_request_reads_env_over_the_config_file(tmp_path):
     assert request == ModelRequest(RepoRequest("org/from-env", "v2", "MODEL_NAME",
                                                f"revision in {tmp_path}/vllm_config.yaml (VLLM_CONFIG_FILE)", 15))
     assert request_for(tmp_path, {"model": "org/from-file"}).model.variable.startswith("model in ")
+
+
+def test_model_request_carries_a_token_given_above_the_environment(tmp_path):
+    assert request_for(tmp_path, MODEL_NAME="org/m", HF_TOKEN="hf_env").token is None  # huggingface_hub reads it
+    assert request_for(tmp_path, {"hf-token": "hf_file"}, MODEL_NAME="org/m").token == "hf_file"
+    assert request_for(tmp_path, {"hf-token": "hf_file"}, MODEL_NAME="org/m", HF_TOKEN="hf_env",
+                       VLLM_EXTRA_ARGS="--hf-token=hf_extra").token == "hf_extra"
+    assert request_for(tmp_path / "no-file", MODEL_NAME="org/m", VLLM_EXTRA_ARGS="--hf-token --max-model-len 9").token is None
 
 
 def test_model_request_has_a_tokenizer_only_for_another_repo_or_revision(tmp_path):

@@ -30,6 +30,9 @@ def request(settings: WorkerSettings | None = None, **job_input):
     ({"messages": CHAT_MESSAGES}, CHAT, {"messages": CHAT_MESSAGES}),
     ({"prompt": CHAT_MESSAGES}, CHAT, {"messages": CHAT_MESSAGES}),
     ({"prompt": "Hi", "apply_chat_template": True}, CHAT, {"messages": CHAT_MESSAGES}),
+    ({"prompt": ["Once", "Twice"]}, COMPLETIONS, {"prompt": ["Once", "Twice"]}),
+    ({"prompt": [1, 2, 3]}, COMPLETIONS, {"prompt": [1, 2, 3]}),
+    ({"prompt": [[1, 2], [3]]}, COMPLETIONS, {"prompt": [[1, 2], [3]]}),
 ])
 def test_a_prompt_goes_to_completions_and_a_chat_to_chat_completions(job_input, route, llm_input):
     raw = request(**job_input, sampling_params={"max_tokens": 5, "stream": True})
@@ -41,6 +44,13 @@ def test_a_prompt_goes_to_completions_and_a_chat_to_chat_completions(job_input, 
 def test_the_model_is_the_one_sampling_params_or_the_job_names():
     assert request(prompt="x", sampling_params={"model": "a"}, model="b").job.openai_input["model"] == "a"
     assert request(prompt="x", model="b").job.openai_input["model"] == "b"
+
+
+@pytest.mark.parametrize("prompt", [["Once", "Twice"], [1, 2]])
+def test_apply_chat_template_takes_a_string_prompt(prompt):
+    with pytest.raises(RequestError, match="apply_chat_template takes a string prompt") as raised:
+        request(prompt=prompt, apply_chat_template=True)
+    assert raised.value.param == "prompt"
 
 
 def test_a_job_with_both_prompt_and_messages_is_refused():
@@ -83,6 +93,14 @@ def test_other_unread_keys_are_ignored_with_one_warning(caplog):
     assert messages == ["Job j-1: input keys 'bar', 'foo' are not read (ignored)"]
     check_top_level(job(prompt="x", route="/v1/models"), "tokens")  # worker-vllm 2.24's names are read
     assert len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("raw_format", ["tokens", "openai"])
+def test_keys_that_only_label_a_request_are_ignored_with_the_warning(caplog, raw_format):
+    caplog.set_level(logging.WARNING)
+    check_top_level(job(prompt="x", user="customer-42", request_id="r-1", session_id="s-1"), raw_format, "j-2")
+    assert [r.getMessage() for r in caplog.records] == [
+        "Job j-2: input keys 'request_id', 'session_id', 'user' are not read (ignored)"]
 
 
 @pytest.mark.parametrize(("settings", "job_timeout", "limit"), [

@@ -53,7 +53,8 @@ class Worker:
 
     def ping(self) -> int | str:
         try:
-            return self.http.get("/ping", timeout=5).status_code
+            # Answered at once, but a loaded CI machine once kept a starting worker's answer past 5 s.
+            return self.http.get("/ping", timeout=30).status_code
         except httpx.TransportError as exc:
             return type(exc).__name__
 
@@ -148,8 +149,10 @@ def test_raw_jobs_on_runsync_and_stream_keep_the_queue_format(worker):
         events = sse_events.parse(stream.read().decode())
     assert events[-1] == (None, "[DONE]")
     items = [json.loads(data) for _, data in events[:-1]]
-    # An item per engine step (one token each here), whatever the job's batching knobs say.
-    assert [i["usage"]["output"] for i in items] == list(range(1, 9))
+    # An item per engine output (a token each, two when the reader fell a step behind on a loaded
+    # machine), whatever the job's batching knobs say (they would make items of 1, 3 and 4 tokens).
+    outputs = [0] + [i["usage"]["output"] for i in items]
+    assert outputs[-1] == 8 and all(1 <= b - a <= 2 for a, b in zip(outputs, outputs[1:]))
     assert "".join(t for i in items for t in i["choices"][0]["tokens"]) == "".join(item["choices"][0]["tokens"])
 
 
@@ -260,6 +263,10 @@ def test_a_body_nested_too_deep_gets_a_400_that_says_so_and_the_worker_serves_on
         answer = worker.http.post(route, content=body, headers={"content-type": "application/json"})
         assert answer.status_code == 400 and dialect in answer.json()["error"]
         assert "the request body is nested more than 128 levels deep" in answer.json()["error"]["message"]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested(3000)}}  # vLLM parses it
+    answer = worker.http.post("/v1/chat/completions", json={"model": model, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call]}]})
+    assert answer.status_code == 400 and "nested more than 128 levels deep" in answer.json()["error"]["message"]
     at_limit = '{"input": {"prompt": "x", "sampling_params": %s, "note": %s}}' % (
         json.dumps(RAW_GREEDY), nested(127))
     assert worker.http.post("/runsync", content=at_limit).json()["status"] == "COMPLETED"

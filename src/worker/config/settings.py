@@ -232,6 +232,13 @@ class FitnessSettings(BaseModel):
     network_check_target: str = Field("8.8.8.8:53", pattern=r"^\S+:\d{1,5}$",
                                       validation_alias=_env(NETWORK_CHECK_TARGET_ENV))
 
+    @field_validator("network_check_target")
+    @classmethod
+    def _port_in_range(cls, target: str) -> str:
+        if not 0 < int(target.rpartition(":")[2]) < 65536:
+            raise ValueError("the port must be 1 to 65535")
+        return target
+
     @property
     def network_address(self) -> tuple[str, int]:
         host, _, port = self.network_check_target.rpartition(":")
@@ -345,11 +352,18 @@ _FOREIGN_PREFIXES = ("RUNPOD_", "VLLM_", "HF_", "HUGGINGFACE_", "NVIDIA_", "CUDA
                      "TORCH", "OMP_", "LC_", "UV_", "PIP_", "NCCL_", "TRANSFORMERS_")
 
 
-def _warn_near_misses(env: Mapping[str, str], known: frozenset[str]) -> None:
+def _warn_near_misses(env: Mapping[str, str], known: frozenset[str], vllms: frozenset[str]) -> None:
+    """A name close to a setting's is a typo. ``vllms``: vLLM's own variables; a ``VLLM_`` name that
+    is neither theirs nor ours is checked against both (the worker's VLLM_EXTRA_ARGS among them)."""
     for name in env:
-        if name in known or "_" not in name or name.startswith(_FOREIGN_PREFIXES):
+        if name in known or "_" not in name:
             continue
-        if match := difflib.get_close_matches(name, known, n=1, cutoff=0.85):
+        if name.startswith("VLLM_"):
+            if name in vllms:
+                continue
+        elif name.startswith(_FOREIGN_PREFIXES):
+            continue
+        if match := difflib.get_close_matches(name, known | vllms, n=1, cutoff=0.85):
             log.warning("Unknown setting %s is ignored; did you mean %s?", name, match[0])
 
 
@@ -358,9 +372,11 @@ def load_config(env: Mapping[str, str] | None = None,
     """Read and validate all configuration; raises ConfigError listing every problem.
     ``downloaded``: the model (and tokenizer) ``preflight`` fetched, served from their snapshots."""
     from worker.config.engine_args import known_env_names, resolve_args  # imports vLLM
+    from worker.vllm_adapter import vllm_env_names
 
     env = os.environ if env is None else env
-    _warn_near_misses(env, known_env_names() | WorkerSettings.env_names() | _env_names(FitnessSettings))
+    _warn_near_misses(env, known_env_names() | WorkerSettings.env_names() | _env_names(FitnessSettings),
+                      vllm_env_names())
     problems: list[str] = []
     settings = args = None
     try:
@@ -457,7 +473,7 @@ def _extra_arg(env: Mapping[str, str], key: str) -> str | None:
         name, equals, value = token.partition("=")
         if name.replace("_", "-") == flag:
             found = value if equals else next(iter(tokens[at + 1:at + 2]), None)
-    return found
+    return None if found is not None and found.startswith("--") else found  # a flag without a value
 
 
 def _first(env: Mapping[str, str], file: dict[str, str], names: tuple[str, ...],
@@ -493,15 +509,17 @@ def model_request(env: Mapping[str, str] | None = None) -> ModelRequest | None:
     revision, revision_var = _first(env, file, ("MODEL_REVISION", "REVISION"), "revision")
     timeout = _validated(env, ("MODEL_PREFLIGHT_TIMEOUT",)).model_preflight_timeout
     request = RepoRequest(model, revision, model_var, revision_var, timeout)
+    token, token_var = _first(env, file, ("HF_TOKEN",), "hf_token")
+    token = token if token_var != "HF_TOKEN" and token not in ("true", "True") else None  # True: the login's
     tokenizer, tokenizer_var = _first(env, file, ("TOKENIZER_NAME", "TOKENIZER"), "tokenizer")
     tokenizer_revision, tokenizer_revision_var = _first(env, file, ("TOKENIZER_REVISION",),
                                                         "tokenizer_revision")
     if tokenizer is None or tokenizer == model:
         if tokenizer_revision in (None, revision):
-            return ModelRequest(request)
+            return ModelRequest(request, token=token)
         tokenizer, tokenizer_var = model, model_var
     if not is_repo_id(tokenizer) or tokenizer == baked.get(baked_args.BAKED_SOURCE_KEYS["tokenizer"]):
-        return ModelRequest(request)
+        return ModelRequest(request, token=token)
     # Another repo's tokenizer: its own default branch unless TOKENIZER_REVISION names one.
     return ModelRequest(request, RepoRequest(tokenizer, tokenizer_revision, tokenizer_var,
-                                             tokenizer_revision_var, timeout))
+                                             tokenizer_revision_var, timeout), token=token)

@@ -39,6 +39,7 @@ from worker.vllm_adapter import (
     plugin_adapter,
 )
 from worker.wire.errors import RequestError
+from worker.wire.redact import answer_text
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,8 @@ class Adapters:
             raise _unknown(name)
         if (failure := await load_adapter(self.llm, request)) is not None:
             log.warning("LoRA adapter %s from %s could not be loaded: %s", name, request.lora_path, failure)
-            raise AdapterError(name, f"could not be loaded: {failure} (an adapter for another base "
-                                     "model, or damaged files?)")
+            raise AdapterError(name, f"could not be loaded: {answer_text(failure)} (an adapter for another "
+                                     "base model, or damaged files? The worker's log has the details)")
         log.info("LoRA adapter %s loaded from %s (%s) in %.2fs", name, request.lora_path, source,
                  time.perf_counter() - started)
         return request
@@ -133,7 +134,9 @@ class Adapters:
         if len(self.loaded) - len(self._aliases) <= self._held:
             return  # never more known than held: nothing was evicted
         if (failure := await load_adapter(self.llm, request)) is not None:
-            raise AdapterError(request.lora_name, f"could not be loaded again: {failure}")
+            log.warning("LoRA adapter %s from %s could not be loaded again: %s", request.lora_name,
+                        request.lora_path, failure)
+            raise AdapterError(request.lora_name, f"could not be loaded again: {answer_text(failure)}")
 
 
 def _unknown(name: str) -> RequestError:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_TOKENS", "build_sampling_params", "check_top_level"]
+__all__ = ["DEFAULT_MAX_TOKENS", "LABELS", "build_sampling_params", "check_top_level"]
 
 DEFAULT_MAX_TOKENS = 100
 # worker-vllm / older vLLM names → keys of StructuredOutputsParams.
@@ -40,9 +40,12 @@ GUIDED_KEYS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": 
 
 # Keys that, at a job input's top level, are request parameters put in the wrong place (nothing reads
 # them there: worker-vllm's issue #235, with guided_json): SamplingParams' fields and worker-vllm's
-# guided_* spellings, and the fields of the OpenAI request bodies (the openai format's sampling_params).
+# guided_* spellings, and the fields of the OpenAI request bodies (the openai format's sampling_params),
+# but those that only label a request (who sent it, the session, the id an answer carries) and change
+# nothing in the answer's content: a client may put them beside the prompt, and worker-vllm ignores them.
+LABELS = frozenset({"user", "request_id", "session_id"})
 _SAMPLING_KEYS = SAMPLING_FIELDS | frozenset(GUIDED_KEYS)
-_MISPLACED_KEYS = _SAMPLING_KEYS | REQUEST_FIELDS
+_MISPLACED_KEYS = (_SAMPLING_KEYS | REQUEST_FIELDS) - LABELS
 _SHOWN_KEYS, _SHOWN_KEY_CHARS = 10, 40  # a log line names this many unread keys, this long at most
 
 

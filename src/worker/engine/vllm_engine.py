@@ -203,8 +203,15 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
             yield item
 
     async def _prompt_tokens(self, job: JobInput) -> list[int]:
-        llm_input = job.llm_input
-        if job.apply_chat_template or isinstance(llm_input, list):
+        llm_input, form = job.llm_input, job.input_form
+        if form in ("texts", "token_id_lists") or (form == "token_ids" and job.apply_chat_template):
+            raise RequestError(
+                "the tokens format of raw jobs (RAW_JOB_FORMAT=tokens) takes one prompt: a string, token ids or chat messages (with "
+                "apply_chat_template, a string or messages); a list of prompts goes to /v1/completions "
+                "with RAW_JOB_FORMAT=openai or as an 'openai_route' job", param="prompt")
+        if form == "token_ids":
+            return llm_input
+        if job.apply_chat_template or form == "messages":
             # The chat's own encoding (template or mistral_common) places BOS and friends.
             encode = partial(self.tokenizer.chat_prompt_ids, llm_input)
         else:

@@ -26,13 +26,14 @@ from pydantic import (
 from worker.wire import nesting
 from worker.wire.errors import RequestError
 
-__all__ = ["JobInput"]
+__all__ = ["JobInput", "PromptForm", "prompt_form"]
 
 
 class JobInput(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
-    prompt: str | list[dict[str, Any]] | None = None  # a message list here is chat, as worker-vllm read it
+    # A message list here is chat, as worker-vllm read it; else a prompt as /v1/completions takes it.
+    prompt: str | list[Any] | None = None
     messages: list[dict[str, Any]] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     model: str | None = None  # raw jobs: a LoRA adapter's name (or the served model's)
@@ -62,11 +63,11 @@ class JobInput(BaseModel):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _text_or_messages(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str) or (
-                isinstance(value, list) and all(isinstance(m, dict) for m in value)):
+    def _a_prompt(cls, value: Any) -> Any:
+        if value is None or prompt_form(value) is not None:
             return value
-        raise ValueError("expected a string, or a list of chat messages (JSON objects)")
+        raise ValueError("expected a string, a list of chat messages (JSON objects), or a prompt as "
+                         "/v1/completions takes it: a list of strings, token ids or lists of token ids")
 
     @model_validator(mode="after")
     def _needs_input(self) -> JobInput:
@@ -84,9 +85,15 @@ class JobInput(BaseModel):
         return sorted(self.model_extra or {})
 
     @property
-    def llm_input(self) -> str | list[dict[str, Any]] | None:
-        """``messages`` when given (and not null), else ``prompt``; a list is chat messages."""
+    def llm_input(self) -> str | list[Any] | None:
+        """``messages`` when given (and not null), else ``prompt`` (its form: ``input_form``)."""
         return self.messages if self.messages is not None else self.prompt
+
+    @property
+    def input_form(self) -> PromptForm | None:
+        """What ``llm_input`` is (``prompt_form``)."""
+        return None if self.llm_input is None else prompt_form(self.llm_input)
+
 
     @classmethod
     def from_job(cls, job: Any) -> JobInput:
@@ -106,3 +113,27 @@ class JobInput(BaseModel):
         if isinstance(job.get("id"), str):  # traceable in vLLM's logs, still unique
             job_input._request_id = f"{job['id']}-{job_input._request_id[:8]}"
         return job_input
+
+
+PromptForm = Literal["text", "messages", "texts", "token_ids", "token_id_lists"]
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def prompt_form(value: Any) -> PromptForm | None:
+    """What a prompt is: a ``text``, chat ``messages`` (a list of objects, or an empty list), or as
+    /v1/completions also takes it, ``texts``, ``token_ids`` or ``token_id_lists``; None: none of them."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    if all(isinstance(item, dict) for item in value):
+        return "messages"
+    if all(isinstance(item, str) for item in value):
+        return "texts"
+    if _token_ids(value):
+        return "token_ids"
+    return "token_id_lists" if all(_token_ids(item) for item in value) else None

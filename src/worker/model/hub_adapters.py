@@ -15,6 +15,7 @@ calls ``fetch`` in a thread pool of its own.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import logging
 import threading
@@ -49,7 +50,8 @@ _MISSES_KEPT = 1024  # past this many remembered misses, the expired ones are dr
 
 
 class AdapterError(RequestError, ValueError):
-    """An adapter that was found but cannot be served (400), or a hub that could not be asked (502).
+    """An adapter that was found but cannot be served (400), a hub that could not be asked (502), or
+    a cache that cannot take its download (507).
     A ValueError too: raised inside vLLM's serving classes, it is answered as their 400."""
 
     def __init__(self, name: str, reason: str, status: HTTPStatus = HTTPStatus.BAD_REQUEST) -> None:
@@ -209,7 +211,21 @@ def _hub_errors(name: str, repo: str) -> Iterator[None]:
             raise _Missing from None
         raise _unreachable(name, exc) from None
     except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno in _CANNOT_WRITE:
+            raise _unwritable(name, exc) from None
         raise _unreachable(name, exc) from None
+
+
+# The cache cannot take the download: read-only (RunPod's model cache), not ours, or full.
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+
+
+def _unwritable(name: str, exc: OSError) -> AdapterError:
+    log.warning("LoRA adapter %s: the Hugging Face cache cannot take its download: %s", name, exc)
+    why = "is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "is read-only here"
+    return AdapterError(name, f"could not be fetched from the hub: the Hugging Face cache (HF_HOME) {why}; "
+                              "put the adapter in a folder of LORA_DIRS or on the volume, or point HF_HOME at "
+                              "a writable disk with room", HTTPStatus.INSUFFICIENT_STORAGE)
 
 
 def _unreachable(name: str, exc: Exception) -> AdapterError:

@@ -92,6 +92,9 @@ class ModelRequest:
 
     model: RepoRequest
     tokenizer: RepoRequest | None = None  # only when it is another repo or revision
+    # The hub token when a layer above the environment gives it (VLLM_EXTRA_ARGS' --hf-token, the
+    # config file's hf-token): huggingface_hub reads HF_TOKEN alone.
+    token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,8 @@ class _Plan:
 
 def prepare(request: ModelRequest, on_phase: OnPhase = _no_phases) -> tuple[Fetched, Fetched | None]:
     """Check and download the model (and another tokenizer repo): their local snapshots."""
+    if request.token is not None:  # for the hub adapters fetched later too, as vLLM is given it
+        os.environ["HF_TOKEN"] = request.token
     model = _fetch(request.model, on_phase, weights=True)
     tokenizer = _fetch(request.tokenizer, on_phase, weights=False) if request.tokenizer else None
     return model, tokenizer

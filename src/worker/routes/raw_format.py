@@ -7,7 +7,8 @@ one ``sampling_params`` names, else the job's ``model`` (a LoRA adapter), else t
 So ``max_tokens`` defaults to vLLM's default for the route (16 on completions), not to the tokens
 format's 100. Beyond worker-vllm: a string ``prompt`` with ``apply_chat_template`` and a ``prompt`` that
 is a list of messages are chats (worker-vllm sends both to ``/v1/completions``), and a job with both
-``prompt`` and ``messages`` is refused (which to send is ambiguous).
+``prompt`` and ``messages`` is refused (which to send is ambiguous). Any other ``prompt`` that
+``/v1/completions`` takes (a list of strings, token ids, lists of token ids) goes to it as it is.
 
 Answers are the route's: one item, vLLM's JSON, when not streaming; SSE text items of whole events,
 the last ``data: [DONE]``, when streaming: one event per item as worker-vllm sends them, unless the
@@ -28,10 +29,11 @@ if TYPE_CHECKING:
     from worker.config.settings import WorkerSettings
     from worker.jobs.job_input import JobInput
 
-__all__ = ["RawRequest", "raw_request"]
+__all__ = ["BATCHING", "RawRequest", "raw_request"]
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_BATCHING = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
+# Set on the job or the worker (the console forms leave them empty), they batch an openai-format stream.
+BATCHING = ("max_batch_size", "min_batch_size", "batch_size_growth_factor")
 ONE_EVENT = BatchSize(1, 1, 1)
 
 
@@ -47,12 +49,15 @@ def _route_and_input(job: JobInput) -> tuple[str, dict[str, Any]]:
     if job.prompt is not None and job.messages is not None:
         raise RequestError("the job has both 'prompt' and 'messages': send one (a prompt goes to "
                            "/v1/completions, messages to /v1/chat/completions)", param="messages")
-    llm_input = job.llm_input
-    if isinstance(llm_input, list):
+    llm_input, form = job.llm_input, job.input_form
+    if form == "messages":
         return CHAT, {"messages": llm_input}
     if job.apply_chat_template:
+        if form != "text":
+            raise RequestError("apply_chat_template takes a string prompt (or send 'messages'); this "
+                               "prompt is a list of prompts or token ids", param="prompt")
         return CHAT, {"messages": [{"role": "user", "content": llm_input}]}
-    return COMPLETIONS, {"prompt": llm_input}
+    return COMPLETIONS, {"prompt": llm_input}  # as /v1/completions takes it: texts and token ids too
 
 
 def raw_request(job: JobInput, served_model: str, settings: WorkerSettings) -> RawRequest:
@@ -60,7 +65,7 @@ def raw_request(job: JobInput, served_model: str, settings: WorkerSettings) -> R
     route, llm_input = _route_and_input(job)
     body = {**job.sampling_params, "stream": job.stream, **llm_input}
     body.setdefault("model", job.model or served_model)
-    batched = any(getattr(job, knob) is not None for knob in _BATCHING) or \
-        not settings.model_fields_set.isdisjoint(_BATCHING)
+    batched = any(getattr(job, knob) is not None for knob in BATCHING) or \
+        not settings.model_fields_set.isdisjoint(BATCHING)
     as_route = job.model_copy(update={"openai_route": route, "openai_input": body, "method": "POST"})
     return RawRequest(as_route, None if batched else ONE_EVENT)

@@ -110,7 +110,9 @@ class OpenAIvLLMEngine(FromParts):
         namespace = _serving_namespace(vllm_engine, namespace, settings)
         started = time.perf_counter()
         # Created once, in the engine's loop, before any job: no lazy first-request set-up.
-        app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, namespace, vllm_engine.adapters))
+        served_repo = vllm_engine.config.args.served_repo if vllm_engine.config else None
+        app = vllm_engine.loop.run(build_openai_app(vllm_engine.llm, namespace, vllm_engine.adapters,
+                                                    model_root=served_repo))
         self._assemble(vllm_engine, app, RouteTable.from_app(app), namespace=namespace, settings=settings)
         log.info("OpenAI routes ready in %.2fs: %s", time.perf_counter() - started,
                  ", ".join(self.routes.names()))

@@ -20,9 +20,16 @@ killed before it has answered. The checks:
 - where ``nvidia-smi`` finds a GPU: the driver's CUDA version >= RUNPOD_MIN_CUDA_VERSION; every GPU
   initialised and a 1024x1024 matmul within RUNPOD_GPU_BENCHMARK_TIMEOUT, in a child process, so that
   the worker holds no CUDA context that vLLM would count as used; the SDK's ``gpu_test`` binary
-  (memory on each GPU) within RUNPOD_GPU_TEST_TIMEOUT, unless RUNPOD_SKIP_GPU_CHECK.
+  (memory on each GPU) within RUNPOD_GPU_TEST_TIMEOUT, unless RUNPOD_SKIP_GPU_CHECK. A ``gpu_test``
+  that fails or times out falls back, as the SDK's does, to ``nvidia-smi --list-gpus``: listing a GPU
+  passes (with a warning in the log).
 
 RUNPOD_SKIP_AUTO_SYSTEM_CHECKS skips all but ``gpu_test``, as in the SDK.
+
+One decision differs from the SDK's, on purpose: a GPU that ``nvidia-smi`` lists but torch cannot
+see (``torch.cuda`` finds none) fails the start, where the SDK skips its CUDA checks. vLLM, which
+runs on torch, could not start on it either; failed here, the answer says why in seconds, where
+the engine would fail later with CUDA's words.
 """
 
 from __future__ import annotations
@@ -151,7 +158,9 @@ def gpu_compute(settings: FitnessSettings) -> str:
         raise StartupError(f"fitness check 'gpu_compute' failed: CUDA cannot initialise the GPUs: {last}")
     result = json.loads(done.stdout.strip().splitlines()[-1])
     if result["gpus"] == 0:
-        raise StartupError("fitness check 'gpu_compute' failed: nvidia-smi shows a GPU, torch.cuda none")
+        raise StartupError("fitness check 'gpu_compute' failed: nvidia-smi shows a GPU, torch.cuda none: vLLM "
+                           "cannot use it either (is CUDA_VISIBLE_DEVICES set, or the container given no "
+                           "access to the GPU?)")
     limit = settings.gpu_benchmark_timeout * 1000
     if result["ms"] > limit:
         raise _failed("gpu_compute", f"a 1024x1024 matmul took {result['ms']:.0f} ms",
@@ -183,19 +192,45 @@ def gpu_test_verdict(output: str) -> str | None:
     return None
 
 
-def gpu_test(settings: FitnessSettings) -> str:
-    binary = _gpu_test_binary(settings)
-    if binary is None:  # the SDK falls back to listing the GPUs: nvidia-smi found them already
-        return "gpu_test binary not found: not run"
+def listed_gpus() -> int:
+    """The GPUs ``nvidia-smi --list-gpus`` lists (its non-empty lines, as the SDK counts them);
+    raises OSError where it cannot list them."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=10,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        raise OSError("nvidia-smi --list-gpus did not answer within 10 s") from None
+    if done.returncode != 0:
+        raise OSError(f"nvidia-smi --list-gpus exited with {done.returncode}: "
+                      f"{(done.stderr or done.stdout).strip()[:200]}")
+    return len([line for line in done.stdout.splitlines() if line.strip()])
+
+
+def _gpu_test_problem(binary: Path, settings: FitnessSettings) -> str | None:
     try:
         done = subprocess.run([str(binary)], capture_output=True, text=True,
                               timeout=settings.gpu_test_timeout, check=False)
     except subprocess.TimeoutExpired:
-        raise _failed("gpu_test", f"gpu_test did not finish within {settings.gpu_test_timeout:g} s",
-                      "an answer", "RUNPOD_GPU_TEST_TIMEOUT") from None
-    if problem := gpu_test_verdict(done.stdout):
-        raise StartupError(f"fitness check 'gpu_test' failed: GPU memory allocation: {problem}")
-    return "every GPU's memory allocation test passed"
+        return f"gpu_test did not finish within {settings.gpu_test_timeout:g} s (RUNPOD_GPU_TEST_TIMEOUT)"
+    problem = gpu_test_verdict(done.stdout)
+    return f"GPU memory allocation: {problem}" if problem else None
+
+
+def gpu_test(settings: FitnessSettings) -> str:
+    binary = _gpu_test_binary(settings)
+    if binary is None:  # the SDK falls back to listing the GPUs: nvidia-smi found them already
+        return "gpu_test binary not found: not run"
+    if (problem := _gpu_test_problem(binary, settings)) is None:
+        return "every GPU's memory allocation test passed"
+    try:  # the SDK's fallback
+        gpus = listed_gpus()
+    except OSError as exc:
+        raise StartupError(f"fitness check 'gpu_test' failed: {problem}; and the SDK's fallback: {exc}") from None
+    if not gpus:
+        raise StartupError(f"fitness check 'gpu_test' failed: {problem}; and nvidia-smi --list-gpus lists none")
+    log.warning("Fitness check gpu_test: %s; nvidia-smi --list-gpus lists %d GPU(s), which passes, as in "
+                "the runpod SDK (memory allocation not tested)", problem, gpus)
+    return f"{problem}; {gpus} GPU(s) listed by nvidia-smi (the SDK's fallback)"
 
 
 def _checks(settings: FitnessSettings) -> list[tuple[str, Callable[[], str]]]:

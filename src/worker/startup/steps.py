@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["engine_failure", "fetch_model", "fitness_checks", "start_engine"]
+__all__ = ["RETRIED_UNLESS_CHOSEN", "chose", "engine_failure", "fetch_model", "fitness_checks", "start_engine"]
 
 RETRY_PAUSE_SECONDS = 3.0  # before a transient failure is tried again
 OOM_UTILIZATION_STEP = 0.1  # an out-of-memory start is tried again with this much less memory
@@ -92,7 +92,13 @@ def fetch_model(on_phase: OnPhase) -> tuple[Fetched, Fetched | None] | None:
     return _once_more(lambda: prepare(request, on_phase), "Model download") if request else None
 
 
-def _chose(args: ResolvedArgs, dest: str) -> bool:
+# Flags a failed start is retried with lower, unless the user chose them: the console forms leave them
+# empty (tests/unit/test_image_metadata.py).
+RETRIED_UNLESS_CHOSEN = ("max_model_len", "gpu_memory_utilization")
+
+
+def chose(args: ResolvedArgs, dest: str) -> bool:
+    """Whether a layer above the worker's defaults set ``dest`` (the user's choice)."""
     setting = args.flags.get(dest)
     return setting is not None and setting.given and getattr(args.namespace, dest, None) is not None
 
@@ -111,7 +117,7 @@ def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) ->
             "log); set MAX_MODEL_LEN lower, or give the KV cache more memory (GPU_MEMORY_UTILIZATION, "
             "KV_CACHE_MEMORY_BYTES)", detail=cause,
             variables=("MAX_MODEL_LEN", "GPU_MEMORY_UTILIZATION", "KV_CACHE_MEMORY_BYTES"),
-            transient=not _chose(args, "max_model_len"), retry={"max_model_len": -1},
+            transient=not chose(args, "max_model_len"), retry={"max_model_len": -1},
             change="MAX_MODEL_LEN=-1 (vLLM fitting the length to the memory)")
     if note and note["out_of_memory"]:
         before = memory_utilization(args.engine_args)  # vLLM 0.34 resolves an unset one
@@ -120,7 +126,7 @@ def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) ->
             "out of memory while the engine started; set GPU_MEMORY_UTILIZATION or MAX_MODEL_LEN "
             "lower, or use GPUs with more memory (or more of them: TENSOR_PARALLEL_SIZE)", detail=cause,
             variables=("GPU_MEMORY_UTILIZATION", "MAX_MODEL_LEN", "TENSOR_PARALLEL_SIZE"),
-            transient=not _chose(args, "gpu_memory_utilization") and lower > 0,
+            transient=not chose(args, "gpu_memory_utilization") and lower > 0,
             retry={"gpu_memory_utilization": lower},
             change=f"GPU_MEMORY_UTILIZATION lowered from {before} to {lower}")
     kind = note["type"] if note else type(exc).__name__

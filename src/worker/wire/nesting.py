@@ -9,7 +9,9 @@ load-balancing endpoint it was a bare 500. So:
 - ``MAX_DEPTH``: the most levels a job input or a request body may nest (``too_deep``); deeper is
   refused with a 400 that says so. Far above what a real request needs (a JSON schema ten objects
   deep is some 25 levels; serde_json's default limit is the same 128), and far below where
-  anything on the worker's paths fails: a request within it is served as before.
+  anything on the worker's paths fails: a request within it is served as before. A string that
+  holds JSON counts its own levels where it sits: vLLM parses some (a tool call's ``arguments``, a
+  JSON schema given as text), and its chat renderer failed with a RecursionError on deep ones.
 - ``loads``: ``json.loads``, but JSON too deep for it is split at its top levels without recursion,
   and a part still too deep is kept unparsed as ``Raw`` text (always ``too_deep``): the other jobs of
   a batch are read, and the deep one is refused alone.
@@ -50,20 +52,41 @@ def refusal(what: str) -> str:
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
-    """Whether ``value`` nests dicts and lists more than ``limit`` levels deep; a ``Raw`` part always
-    does. Level by level, without recursion; it stops at the first level with nothing nested."""
-    level = [value] if value.__class__ in _NESTED else []
-    for _ in range(limit):
-        level = [child for item in level for child in _children(item) if child.__class__ in _NESTED]
-        if not level:
+    """Whether ``value`` nests dicts and lists more than ``limit`` levels deep, counting the levels of
+    a string that holds JSON (it starts with ``[`` or ``{``) where it sits; a ``Raw`` part always does.
+    Level by level, without recursion; it stops at the first level with nothing nested."""
+    level = [value]
+    for depth in range(limit + 1):  # ``depth`` containers around each item of ``level``
+        containers = []
+        for item in level:
+            kind = item.__class__
+            if kind in _NESTED:
+                containers.append(item)
+            elif kind is str and _JSON_TEXT.match(item) and _text_too_deep(item, limit - depth):
+                return True
+        if not containers:
             return False
-    return bool(level)
+        if depth == limit or any(item.__class__ is Raw for item in containers):
+            return True
+        level = [child for item in containers for child in (item.values() if item.__class__ is dict else item)]
+    return False
 
 
-def _children(item: dict | list | Raw) -> Any:
-    if isinstance(item, dict):
-        return item.values()
-    return item if isinstance(item, list) else (item,)  # Raw: nested without end, as far as we know
+_JSON_TEXT = re.compile(r"\s*[\[{]")
+
+
+def _text_too_deep(text: str, limit: int) -> bool:
+    """Whether the brackets of ``text`` outside its strings nest more than ``limit`` deep."""
+    depth = 0
+    for token in _TOKENS.finditer(text):
+        mark = token.group()
+        if mark in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif mark in "]}":
+            depth -= 1
+    return False
 
 
 def loads(data: str | bytes, levels: int = 0) -> Any:
