@@ -678,9 +678,10 @@ def prompt_tokens(prompt) -> int:
     return len(embeds) if embeds is not None else 0
 
 
-def kv_cache_size(llm: AsyncLLM) -> tuple[int, int, int] | None:
+def kv_cache_size(llm: AsyncLLM) -> tuple[int, int, int, bool] | None:
     """The KV cache's usable blocks (over data-parallel engines; less each one's null block, which
-    vLLM keeps out of use), the tokens a block holds, and the model's context length. None when a
+    vLLM keeps out of use), the tokens a block holds, the model's context length, and whether vLLM
+    caches prefixes (a request's sequences then share its prompt's whole blocks). None when a
     request does not hold a block per ``block_size`` tokens of its own in every layer: sliding-window
     attention, state-space layers (hybrid models), no attention, an encoder-decoder's cross-attention."""
     config = llm.vllm_config
@@ -690,7 +691,7 @@ def kv_cache_size(llm: AsyncLLM) -> tuple[int, int, int] | None:
         return None
     engines = config.parallel_config.data_parallel_size
     return ((config.cache_config.num_gpu_blocks or 0) - engines, config.cache_config.block_size,
-            config.model_config.max_model_len)
+            config.model_config.max_model_len, bool(config.cache_config.enable_prefix_caching))
 
 
 def _drop_prometheus(llm: AsyncLLM) -> None:
@@ -913,7 +914,8 @@ class _CheckedConnection(HTTPConnection):
     def check(self, url: str, proxied: bool) -> None:
         """Refuses ``url`` by its host's name or address; by the addresses its name resolves to too
         when ``proxied``, as the connection (the proxy's) cannot."""
-        if (reason := (self.policy.refusal if proxied else self.policy.hop_refusal)(url)) is not None:
+        reason = self.policy.refusal(url, proxied=True) if proxied else self.policy.hop_refusal(url)
+        if reason is not None:
             raise _RefusedHop(url, reason)
 
     def addresses(self, host: str, found: list[str]) -> list[str]:
@@ -1050,6 +1052,46 @@ def _refusal_of(url: str):
 def guard_media_urls(policy: MediaURLPolicy) -> None:
     """Holds every media URL vLLM fetches in this process from now on to ``policy``, each redirect
     too: vLLM's connector is replaced by ``_CheckedMediaConnector`` (vLLM checks ALLOWED_MEDIA_DOMAINS
-    on the caller's URL alone, and asks nothing of the addresses)."""
+    on the caller's URL alone, and asks nothing of the addresses), and a plugin's connector
+    (VLLM_MEDIA_CONNECTOR) is held as far as it can be (``_hold_plugin_connector``)."""
     _CheckedMediaConnector.checked = _CheckedConnection(policy)
     MEDIA_CONNECTOR_REGISTRY.register("http")(_CheckedMediaConnector)
+    if not getattr(MEDIA_CONNECTOR_REGISTRY.load, "holds_plugins", False):
+        load = MEDIA_CONNECTOR_REGISTRY.load
+
+        def load_held(name: str, *args, **kwargs):
+            connector = load(name, *args, **kwargs)
+            if not isinstance(connector, _CheckedMediaConnector):
+                _hold_plugin_connector(connector)
+            return connector
+
+        load_held.holds_plugins = True
+        MEDIA_CONNECTOR_REGISTRY.load = load_held
+
+
+def _hold_plugin_connector(connector) -> None:
+    """A plugin's media connector (VLLM_MEDIA_CONNECTOR names it; vLLM loads one per request): what
+    it fetches through vLLM's HTTP connection goes through the checked one, redirects included, and
+    the URL it is given is checked first, its host's addresses resolved here (what it fetches by a
+    transport of its own is its own)."""
+    if isinstance(getattr(connector, "connection", None), HTTPConnection):
+        connector.connection = _CheckedMediaConnector.checked
+    policy = _CheckedMediaConnector.checked.policy
+
+    def checked(url: str) -> None:
+        if (reason := policy.refusal(url)) is not None:
+            raise _RefusedHop(url, reason)
+
+    fetch, fetch_async = connector.load_from_url, connector.load_from_url_async
+
+    def load_from_url(url: str, *args, **kwargs):
+        with _refusal_of(url):
+            checked(url)
+            return fetch(url, *args, **kwargs)
+
+    async def load_from_url_async(url: str, *args, **kwargs):
+        with _refusal_of(url):
+            await asyncio.to_thread(checked, url)  # resolving a name blocks
+            return await fetch_async(url, *args, **kwargs)
+
+    connector.load_from_url, connector.load_from_url_async = load_from_url, load_from_url_async

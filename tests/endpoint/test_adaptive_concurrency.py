@@ -27,6 +27,7 @@ from local_endpoint import API_KEY, LocalEndpoint
 
 from bench.load_trace import (TRACE_WORKER, failures, queued_while_others_had_room, raw_job, read_all, report,
                               run_burst, trace_env)
+from tests.engine.vllm_server import vllm_servers
 from worker.scheduling.concurrency import QUEUE_SHARE, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
@@ -84,10 +85,14 @@ KV_BYTES, LONG_TOKENS, LONG_JOBS = 4 * 2**20, 240, 64
 
 
 @pytest.fixture(scope="module")
-def small_kv_worker(models, tmp_path_factory):
+def small_kv_env(models) -> dict[str, str]:
+    return engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES))
+
+
+@pytest.fixture(scope="module")
+def small_kv_worker(small_kv_env, tmp_path_factory):
     folder = tmp_path_factory.mktemp("small-kv")
-    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES))
-    endpoint = traced_endpoint(env, 1, folder)
+    endpoint = traced_endpoint(small_kv_env, 1, folder)
     yield endpoint, folder
     endpoint.stop()
 
@@ -114,6 +119,28 @@ def test_on_a_small_kv_cache_the_engine_runs_what_fits_from_the_first_burst(smal
     # job-take round trip, at most a quarter more), not the whole burst.
     assert max(s.held for s in first_trace + later) <= fits + math.ceil(QUEUE_SHARE * fits)
     assert all(fits <= s.target <= fits + math.ceil(QUEUE_SHARE * fits) for s in later)
+
+
+def test_a_request_whose_sequences_share_their_prompt_is_served_as_vllm_serve_serves_it(
+        small_kv_worker, small_kv_env, tmp_path_factory):
+    """n=8 on a 1,500-token prompt, 40 tokens each: 8 x 13 blocks, far above the 31 the cache holds,
+    were each sequence to hold its own copy of the prompt; with vLLM's prefix caching they share its
+    11 whole blocks (27 in all), and one sequence alone (13) fits. `vllm serve` with the same flags
+    serves it, and so does the worker: the gate refuses only a request one sequence of which cannot
+    fit (issue 54)."""
+    endpoint, _ = small_kv_worker
+    body = {"prompt": [20 + i % 1900 for i in range(1500)], "max_tokens": 40, "n": 8, "seed": 7,
+            "ignore_eos": True}
+    with vllm_servers({"small": small_kv_env}, tmp_path_factory.mktemp("vllm-serve-small-kv")) as servers:
+        served_name = servers["small"].get("/v1/models").json()["data"][0]["id"]
+        served = servers["small"].post("/v1/completions", json={**body, "model": served_name})
+    assert served.status_code == 200, served.text
+    model = endpoint.http.get("/openai/v1/models").json()["data"][0]["id"]
+    answer = endpoint.http.post("/openai/v1/completions", json={**body, "model": model})
+    assert answer.status_code == 200, answer.text
+    for completion in (served.json(), answer.json()):
+        assert len(completion["choices"]) == 8 and completion["usage"]["completion_tokens"] == 8 * 40
+        assert {choice["finish_reason"] for choice in completion["choices"]} == {"length"}
 
 
 # --- two workers, a small KV cache each, a slow job take ------------------------------------------

@@ -18,13 +18,14 @@ from local_endpoint import API_KEY, LocalEndpoint
 from tests.engine.vllm_server import canonical_stream, normalize, parse_sse, vllm_servers
 
 SERVED = "tiny-extra"  # VLLM_EXTRA_ARGS names it, above SERVED_MODEL_NAME
-# A short job takes 0.1 s here, under 1 s beside four busy processes (CI runs two tests at a time,
-# and a 3 s bound once timed one out); LONG takes about 50 s (6 of its 16 sequences at a time).
-REQUEST_TIMEOUT = 10
+# A short job takes 0.1 s here, under 1 s beside four busy processes; but with two tests at a time a
+# job has waited 3 s, and once 30 s, beside engines starting and generating in the other process.
+# LONG takes about 100 s (6 of its 32 sequences at a time).
+REQUEST_TIMEOUT = 20
 EXTRA_ARGS = f"--max-num-seqs 6 --served-model-name {SERVED} --uvicorn-log-level warning"
 CHAT = [{"role": "user", "content": "Tell me a story"}]
 GREEDY = {"max_tokens": 12, "temperature": 0}
-LONG = {"prompt": "x", "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 16}}
+LONG = {"prompt": "x", "sampling_params": {"max_tokens": 2000, "ignore_eos": True, "n": 32}}
 EVENT = re.compile(r"data: [^\n]*\n\n")
 
 
@@ -73,8 +74,8 @@ RAW_JOBS = {
                                                                    "temperature": 0.8, "logprobs": 2}},
     # the other prompts /v1/completions takes
     "prompts": {"prompt": ["The capital of France is", "One, two,"], "sampling_params": GREEDY},
-    "token ids": {"prompt": [504, 3575, 282, 461, 314], "sampling_params": GREEDY},
-    "lists of token ids": {"prompt": [[504, 3575], [282, 461, 314]], "sampling_params": GREEDY},
+    "token ids": {"prompt": [504, 1575, 282, 461, 314], "sampling_params": GREEDY},  # tiny's vocabulary: 2,048
+    "lists of token ids": {"prompt": [[504, 1575], [282, 461, 314]], "sampling_params": GREEDY},
 }
 
 

@@ -234,10 +234,10 @@ def test_a_request_that_can_never_fit_is_refused_at_once_and_nothing_in_flight_i
     budget, gate = gated
     monkeypatch.setattr(handler, "openai_engine", tiny_openai)
     long_job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
-    never = {  # each above the 10 blocks the whole budget holds
-        "raw, n=11": {"prompt": "Once upon a time", "sampling_params": {"n": 11, "max_tokens": 64}},
+    never = {  # one sequence of each above the 10 blocks the whole budget holds
         "raw, 1,500 tokens": {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1500}},
-        "streamed completions, n=11": _completions(tiny_openai, n=11, max_tokens=64, stream=True),
+        "raw, n=2, 1,500 tokens": {"prompt": "Once upon a time", "sampling_params": {"n": 2, "max_tokens": 1500}},
+        "streamed completions, 1,500 tokens": _completions(tiny_openai, max_tokens=1500, stream=True),
         "completions, 1,500 tokens": _completions(tiny_openai, max_tokens=1500),
     }
 
@@ -254,18 +254,39 @@ def test_a_request_that_can_never_fit_is_refused_at_once_and_nothing_in_flight_i
     first, second, refused, during = asyncio.run(scenario())
     assert during == (1, 1)
     for case, (code, param, message) in refused.items():
-        assert code == 400 and "can never fit the worker's KV cache" in message, case
-        assert param == ("n" if "n=11" in case else "max_tokens"), case
-    assert "the whole cache holds 10" in refused["raw, n=11"][2]
+        assert code == 400 and "can never fit the worker's KV cache" in message and param == "max_tokens", case
+    assert "one sequence needs about 12 blocks of 128 tokens as planned, and the whole cache holds 10" \
+        in refused["raw, n=2, 1,500 tokens"][2]
     assert first[0]["usage"]["output"] == second[0]["usage"]["output"] == 1000  # nothing in flight lost
     assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)
     # A load-balancing endpoint's routes and jobs: the same 400, a stream's before it starts.
     call = _load_balancer(tiny_engine, tiny_openai)
-    status, body = call("/v1/completions", never["streamed completions, n=11"]["openai_input"])
-    assert status == 400 and body["error"]["param"] == "n"
-    status, body = call("/runsync", {"input": never["raw, n=11"]})
+    status, body = call("/v1/completions", never["streamed completions, 1,500 tokens"]["openai_input"])
+    assert status == 400 and body["error"]["param"] == "max_tokens"
+    status, body = call("/runsync", {"input": never["raw, n=2, 1,500 tokens"]})
     assert (status, body["status"]) == (400, "FAILED")
     assert "can never fit" in json.loads(body["error"])["message"]
+
+
+def test_a_request_whose_sequences_fit_only_one_by_one_waits_then_runs_alone_and_completes(
+        gated, tiny_openai, monkeypatch):
+    """n=11 sequences of a block each in a budget of 10: each fits, so it is served, not refused (vLLM
+    runs a request's sequences as they fit); it enters once the cache is empty."""
+    budget, gate = gated
+    monkeypatch.setattr(handler, "openai_engine", tiny_openai)
+    long_job = {"prompt": "Once upon a time", "sampling_params": {"max_tokens": 1000, "ignore_eos": True}}
+
+    async def scenario() -> tuple[list, list]:
+        running = asyncio.create_task(_run("before-wide", long_job))  # 9 blocks
+        await _until(lambda: budget.admitted == 1)
+        wide = asyncio.create_task(_run("wide", _completions(tiny_openai, n=11, max_tokens=64)))
+        await _until(lambda: gate.waiting == 1)
+        return await running, await wide
+
+    first, (completion,) = asyncio.run(scenario())
+    assert first[0]["usage"]["output"] == 1000
+    assert len(completion["choices"]) == 11 and completion["usage"]["completion_tokens"] == 11 * 64
+    assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)
 
 
 def test_n_above_max_n_is_refused_naming_it(gated, tiny_engine, tiny_openai, monkeypatch):

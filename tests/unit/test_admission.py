@@ -104,12 +104,9 @@ def test_a_request_larger_than_the_whole_cache_is_refused_at_once_and_the_queue_
         await settle()
         assert entered == ["running"] and gate.waiting == 1 and budget.used == 4
         sizes = budget.requests_that_fit()
-        # 7 completions of one block each: above the 6 blocks the whole cache holds, so it can never run.
-        with pytest.raises(RequestError, match="can never fit the worker's KV cache: with n=7") as refused:
-            gate.admitted(10, 100, n=7)
-        assert refused.value.param == "n"
-        with pytest.raises(RequestError, match="needs about 7 blocks") as refused:
-            gate.admitted(6 * 128, 100)  # one sequence: its prompt and output need 7 blocks
+        with pytest.raises(RequestError, match="can never fit the worker's KV cache: with 768 prompt tokens one "
+                                               "sequence needs about 7 blocks of 128") as refused:
+            gate.admitted(6 * 128, 100, n=2)  # one sequence: its prompt and output need 7 blocks
         assert refused.value.param == "max_tokens"
         # Nothing in flight or waiting was touched, nor the sizes the jobs to hold are planned from.
         assert (budget.used, budget.admitted, gate.waiting, budget.requests_that_fit()) == (4, 1, 1, sizes)
@@ -134,5 +131,35 @@ def test_a_request_that_fits_the_whole_cache_alone_still_enters_once_the_others_
         assert entered == ["small", "whole"] and budget.used == 6
         leave["whole"].set()
         await asyncio.gather(*tasks)
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_sequences_fit_only_one_by_one_enters_alone_and_the_rest_wait_behind_it():
+    """n=7 sequences of one block each in a 6-block cache: each fits, so vLLM would run them as they
+    fit. It waits for the cache to empty, then enters alone; a request after it waits for it."""
+    async def scenario() -> None:
+        budget = KvBudget(blocks=6, block_size=128)
+        gate, entered = Admission(lambda: budget), []
+        leave = {name: asyncio.Event() for name in ("small", "many", "after")}
+
+        async def many() -> None:
+            async with gate.admitted(10, 100, n=7):
+                entered.append("many")
+                await leave["many"].wait()
+
+        tasks = [asyncio.create_task(_hold(gate, "small", 1, entered, leave["small"])),
+                 asyncio.create_task(many()), asyncio.create_task(_hold(gate, "after", 1, entered, leave["after"]))]
+        await settle()
+        assert entered == ["small"] and gate.waiting == 2
+        leave["small"].set()
+        await settle()
+        assert entered == ["small", "many"] and budget.used == 7 and gate.waiting == 1
+        leave["many"].set()
+        await settle()
+        assert entered == ["small", "many", "after"]
+        leave["after"].set()
+        await asyncio.gather(*tasks)
+        assert (budget.used, budget.admitted, gate.waiting) == (0, 0, 0)
 
     asyncio.run(scenario())

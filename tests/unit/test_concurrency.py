@@ -280,6 +280,16 @@ def test_a_request_is_planned_at_its_prompt_and_max_tokens_until_outputs_are_kno
     assert kv.need(100, None) == kv.need(100, 8092) == math.ceil((100 + DEFAULT_OUTPUT_TOKENS) / 128)
 
 
+def test_with_prefix_caching_a_requests_sequences_share_its_prompts_whole_blocks():
+    """vLLM's issue #54 case: n=32 on a 1,500-token prompt, 40 tokens each, in a cache of 688 blocks
+    of 16: its prompt's 93 whole blocks once, and 4 blocks per sequence (12 prompt tokens and 40)."""
+    shared = KvBudget(blocks=688, block_size=16, context=2048, prefix_caching=True)
+    assert shared.need(1500, 40, n=32) == 93 + 32 * 4 and shared.sequence_blocks(1500, 40) == 97
+    alone = KvBudget(blocks=688, block_size=16, context=2048)  # prefix caching off: each its own copy
+    assert alone.need(1500, 40, n=32) == 32 * 97 and not alone.never_fits(1500, 40)
+    assert shared.need(79, 128, n=1) == alone.need(79, 128, n=1) == 13  # one sequence: the same
+
+
 def test_outputs_are_planned_from_what_the_recent_requests_took():
     kv = KvBudget(blocks=85, block_size=128, context=8192)
     for _ in range(MIN_OUTPUTS - 1):
@@ -327,7 +337,7 @@ def test_a_prompt_prefix_the_recent_requests_found_cached_is_planned_once():
 def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters():
     kv = KvBudget(blocks=10, block_size=128)
     big = kv.need(1000, 280)  # 10 blocks: the whole cache
-    assert not kv.never_fits(big) and kv.fits(big)  # alone, it enters
+    assert not kv.never_fits(1000, 280) and kv.fits(big)  # alone, it enters
     kv.admit(big)
     assert not kv.fits(1)
     kv.release(big)
@@ -338,11 +348,14 @@ def test_requests_enter_while_the_planned_blocks_fit_and_one_alone_always_enters
     assert kv.fits(2) and not kv.fits(3)
 
 
-def test_a_request_larger_than_the_whole_cache_never_fits_and_is_not_counted_among_the_jobs():
+def test_a_request_one_sequence_of_which_is_larger_than_the_cache_never_fits():
     kv = KvBudget(blocks=10, block_size=128, context=2048)
     assert kv.requests_that_fit() is None  # no request seen yet: nothing to size jobs by
-    assert kv.never_fits(kv.need(1000, 2000))  # 24 blocks as asked, 16 within the context: above 10
-    assert kv.never_fits(kv.need(10, 100, n=11))  # 11 sequences of one block each
+    # max_tokens past the context: planned at DEFAULT_OUTPUT_TOKENS (512), 12 blocks in all, above 10
+    assert kv.never_fits(1000, 2000) and kv.sequence_blocks(1000, 2000) == kv.need(1000, 2000) == 12
+    # 11 sequences of one block each: larger than the cache together, but each fits: vLLM runs them
+    # as they fit, and so the gate lets it in alone.
+    assert not kv.never_fits(10, 100) and kv.need(10, 100, n=11) == 11 and kv.fits(11)
     assert kv.requests_that_fit() is None  # neither says anything about the jobs to hold
     # A sequence never passes the context: a long prompt with no max_tokens is planned to its end.
     assert kv.need(1900, None) == 16 and KvBudget(16, 128, context=2048).need(1900, None) == 16

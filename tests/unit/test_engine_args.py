@@ -505,7 +505,7 @@ def test_near_miss_names_get_a_suggestion(files, caplog, typo, real):
 
 
 def test_unrelated_names_get_no_suggestion(files, caplog):
-    load_config(files.env(MODEL_NAME="m", PATH="/bin", RUNPOD_POD_ID="x", MY_APP_MODE="y", VLLM_CPU_KVCACHE_SPACE="1",
+    load_config(files.env(MODEL_NAME="m", PATH="/bin", RUNPOD_POD_ID="x", MY_APP_MODE="y", VLLM_CPU_KVCACHE_SPACE="1", LD_LIBRARY_PATH="/x",
                           VLLM_MY_OWN_THING="z"))
     assert "did you mean" not in caplog.text
 

@@ -31,7 +31,16 @@ def test_a_non_public_address_is_refused_naming_its_kind(host, kind):
     assert reason.endswith("refused unless ALLOWED_PRIVATE_MEDIA_NETWORKS holds them")
 
 
-@pytest.mark.parametrize("host", ["8.8.8.8", "[2606:4700:4700::1111]"])
+@pytest.mark.parametrize(("host", "carried", "kind"), [
+    ("[2002:7f00:1::]", "127.0.0.1", "loopback"), ("[2002:a00:1::1]", "10.0.0.1", "private"),
+    ("[64:ff9b::a9fe:a9fe]", "169.254.169.254", "link-local"),
+    ("[2001:0:4136:e378:8000:63bf:80ff:fffe]", "127.0.0.1", "loopback")])
+def test_an_ipv6_address_carrying_a_non_public_ipv4_one_is_refused_as_that(host, carried, kind):
+    """6to4, NAT64 and Teredo addresses, which Python reads as global (the first two) whatever they carry."""
+    assert MediaURLPolicy().refusal(f"http://{host}/cat.png").startswith(f"the address {carried} is {kind}; ")
+
+
+@pytest.mark.parametrize("host", ["8.8.8.8", "[2606:4700:4700::1111]", "[2002:808:808::]"])
 def test_a_public_address_is_fetched(host):
     assert MediaURLPolicy().refusal(f"https://{host}/cat.png") is None
 
@@ -203,3 +212,47 @@ def test_the_connector_connects_to_the_addresses_it_checked_whatever_dns_answers
         finally:
             guard_media_urls(MediaURLPolicy())
         assert refused.hits == [] and allowed.hits == ["/image.png"]
+
+
+@pytest.fixture
+def plugin_fetch():
+    """fetch(url, sync) as ``fetch``, by a plugin's connector (VLLM_MEDIA_CONNECTOR=plugin): vLLM's
+    own, subclassed, as a plugin's is."""
+    from vllm.multimodal.media import MEDIA_CONNECTOR_REGISTRY, MediaConnector
+
+    class PluginConnector(MediaConnector):
+        pass
+
+    MEDIA_CONNECTOR_REGISTRY.register("plugin")(PluginConnector)
+    with asyncio.Runner() as loop:
+        def fetch(url: str, sync: bool):
+            connector = MEDIA_CONNECTOR_REGISTRY.load("plugin")
+            return connector.fetch_image(url) if sync else loop.run(connector.fetch_image_async(url))
+
+        yield fetch
+    del MEDIA_CONNECTOR_REGISTRY.name2class["plugin"]
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_a_plugins_connector_is_held_to_the_policy_too(servers, plugin_fetch, sync):
+    first, second = servers
+    guard_media_urls(MediaURLPolicy())
+    with pytest.raises(REQUEST_ERRORS) as refused:
+        plugin_fetch(first.url(), sync)
+    assert error_status(refused.value) == 400 and "the address 127.0.0.1 is loopback" in str(refused.value)
+    assert first.hits == []
+    guard_media_urls(MediaURLPolicy(LOOPBACK_1))  # 127.0.0.1 allowed, and each redirect still checked
+    assert plugin_fetch(first.url(), sync).size == (64, 48)
+    with pytest.raises(REQUEST_ERRORS, match="redirects to .*127.0.0.2 is loopback"):
+        plugin_fetch(first.redirect(second.url(host="127.0.0.2")), sync)
+    assert second.hits == []
+
+
+def test_through_a_proxy_a_name_that_does_not_resolve_here_is_refused():
+    def unresolved(host: str, port: int) -> list[str]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    url = "http://metadata.internal/cat.png"
+    assert MediaURLPolicy().refusal(url, lookup=unresolved) is None  # fetched directly: the fetch fails on it
+    assert MediaURLPolicy().refusal(url, lookup=unresolved, proxied=True).startswith(
+        "metadata.internal does not resolve here, so the addresses a proxy")

@@ -356,14 +356,15 @@ def _warn_near_misses(env: Mapping[str, str], known: frozenset[str], vllms: froz
     """A name close to a setting's is a typo. ``vllms``: vLLM's own variables; a ``VLLM_`` name that
     is neither theirs nor ours is checked against both (the worker's VLLM_EXTRA_ARGS among them)."""
     for name in env:
-        if name in known or "_" not in name:
+        if name in known or name in vllms or "_" not in name:
             continue
         if name.startswith("VLLM_"):
-            if name in vllms:
-                continue
+            candidates = known | vllms
         elif name.startswith(_FOREIGN_PREFIXES):
             continue
-        if match := difflib.get_close_matches(name, known | vllms, n=1, cutoff=0.85):
+        else:
+            candidates = known
+        if match := difflib.get_close_matches(name, candidates, n=1, cutoff=0.85):
             log.warning("Unknown setting %s is ignored; did you mean %s?", name, match[0])
 
 

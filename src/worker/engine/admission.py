@@ -8,10 +8,12 @@ sees it, until the blocks planned for the requests in vLLM leave room for its ow
 (``scheduling/concurrency.KvBudget``: the rule, pure logic). A request that waits here holds no KV
 cache; it is the worker's few jobs beyond what fits, so that a freed slot is refilled at once.
 
-Requests wait in arrival order, so one that could never fit would hold every request behind it for
-good (or, once alone, run over a budget it exceeds). So the gate refuses, with a 400 before the request
-waits or its response starts, one that asks for more completions than ``MAX_N``, and one whose planned
-blocks exceed the whole cache. A refused request takes nothing from the requests in flight or waiting.
+Requests wait in arrival order, so one that could never run would hold every request behind it for
+good. So the gate refuses, with a 400 before the request waits or its response starts, one that asks
+for more completions than ``MAX_N``, and one a single sequence of which (its prompt and planned output)
+is larger than the whole cache. A request whose ``n`` sequences do not fit together enters once it is
+alone, and vLLM runs its sequences as they fit, as it would without the gate. A refused request takes
+nothing from the requests in flight or waiting.
 
 Runs on the engine's event loop, as every request does (``vllm_adapter.gate_requests`` wraps its generate).
 """
@@ -35,7 +37,8 @@ class Budget(Protocol):
     block_size: int
 
     def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int: ...
-    def never_fits(self, blocks: int) -> bool: ...
+    def sequence_blocks(self, prompt_tokens: int, max_tokens: int | None) -> int: ...
+    def never_fits(self, prompt_tokens: int, max_tokens: int | None) -> bool: ...
     def fits(self, blocks: int) -> bool: ...
     def admit(self, blocks: int) -> None: ...
     def release(self, blocks: int) -> None: ...
@@ -66,11 +69,9 @@ class Admission:
         budget = self._budget()
         if budget is None:
             return None
-        blocks = budget.need(prompt_tokens, max_tokens, n)
-        if budget.never_fits(blocks):
-            raise RequestError(_too_large(budget, blocks, prompt_tokens, n),
-                               param="n" if n > 1 else "max_tokens")
-        return self._place(budget, blocks)
+        if budget.never_fits(prompt_tokens, max_tokens):
+            raise RequestError(_too_large(budget, prompt_tokens, max_tokens), param="max_tokens")
+        return self._place(budget, budget.need(prompt_tokens, max_tokens, n))
 
     @contextlib.asynccontextmanager
     async def _place(self, budget: Budget, blocks: int) -> AsyncIterator[None]:
@@ -104,7 +105,8 @@ class Admission:
             admitted.set_result(None)
 
 
-def _too_large(budget: Budget, blocks: int, prompt_tokens: int, n: int) -> str:
-    return (f"this request can never fit the worker's KV cache: with n={n} and {prompt_tokens} prompt "
-            f"tokens it needs about {blocks} blocks of {budget.block_size} tokens as planned, and the "
-            f"whole cache holds {budget.blocks}; ask for fewer completions (n) or tokens (max_tokens)")
+def _too_large(budget: Budget, prompt_tokens: int, max_tokens: int | None) -> str:
+    blocks = budget.sequence_blocks(prompt_tokens, max_tokens)
+    return (f"this request can never fit the worker's KV cache: with {prompt_tokens} prompt tokens one "
+            f"sequence needs about {blocks} blocks of {budget.block_size} tokens as planned, and the whole "
+            f"cache holds {budget.blocks}; ask for fewer tokens (max_tokens) or send a shorter prompt")

@@ -187,9 +187,10 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
         return compiles(self.llm.vllm_config)
 
     @property
-    def kv_cache(self) -> tuple[int, int, int] | None:
-        """The KV cache's usable blocks, the tokens a block holds, and the model's context length;
-        None when requests' blocks are not their tokens over the block size (``kv_cache_size``)."""
+    def kv_cache(self) -> tuple[int, int, int, bool] | None:
+        """The KV cache's usable blocks, the tokens a block holds, the model's context length and
+        whether vLLM caches prefixes; None when requests' blocks are not their tokens over the block
+        size (``kv_cache_size``)."""
         return kv_cache_size(self.llm)
 
     @property

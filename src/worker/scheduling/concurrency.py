@@ -79,10 +79,12 @@ RATE_SECONDS = 10.0  # requests finished per second, over this long
 class KvBudget:
     """vLLM's KV cache in blocks, and the blocks planned for the requests in the engine."""
 
-    def __init__(self, blocks: int, block_size: int, context: int | None = None) -> None:
+    def __init__(self, blocks: int, block_size: int, context: int | None = None, prefix_caching: bool = False) -> None:
         """``blocks``: the cache's usable blocks (vLLM's ``num_gpu_blocks`` less its null block);
-        ``context``: the model's context length (``max_model_len``)."""
+        ``context``: the model's context length (``max_model_len``); ``prefix_caching``: vLLM's, with
+        which a request's sequences share its prompt's whole blocks."""
         self.blocks, self.block_size, self.context = blocks, block_size, context
+        self.prefix_caching = prefix_caching
         self.used = 0  # blocks planned for the requests admitted
         self.admitted = 0
         # When the client set max_tokens: the outputs, and each one's share of its max_tokens; when not,
@@ -116,18 +118,26 @@ class KvBudget:
     def _bounded(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         return max_tokens is not None and (self.context is None or prompt_tokens + max_tokens < self.context)
 
-    def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
-        """The blocks a request will hold at most, as planned: its ``n`` sequences each hold its own
-        part of the prompt and up to the planned output (a sequence never passes the context). The
-        whole blocks of the prompt that nearly every recent request found in vLLM's prefix cache are
-        shared (``prefix_blocks``, held once). A request that can never fit (``never_fits``) is not
-        recorded: its size, with that prefix, is above the whole cache."""
+    def _split(self, prompt_tokens: int, max_tokens: int | None) -> tuple[int, int, int]:
+        """A request's blocks as planned: (the shared prefix: the prompt's whole blocks that nearly
+        every recent request found in vLLM's prefix cache, held once beside all; the rest of the
+        prompt's whole blocks, which its sequences share with prefix caching; each sequence's own: the
+        prompt's other tokens and up to the planned output, never past the context)."""
         output = self.planned_output(prompt_tokens, max_tokens)
         cached = _quantile(self._cached, CACHED_QUANTILE) or 0.0
-        prefix = int(prompt_tokens * cached) // self.block_size
+        shared = int(prompt_tokens * cached) // self.block_size
+        own = max(0, prompt_tokens // self.block_size - shared) if self.prefix_caching else 0
         tokens = prompt_tokens + output if self.context is None else min(prompt_tokens + output, self.context)
-        blocks = max(1, n) * math.ceil((tokens - prefix * self.block_size) / self.block_size)
-        if blocks + prefix > self.blocks:  # refused (engine/admission): it says nothing of the jobs
+        return shared, own, max(1, math.ceil((tokens - (shared + own) * self.block_size) / self.block_size))
+
+    def need(self, prompt_tokens: int, max_tokens: int | None, n: int = 1) -> int:
+        """The blocks a request will hold at most, as planned (``_split``): the prompt's whole blocks
+        once with prefix caching, else with each of its ``n`` sequences, and each sequence's own. A
+        request larger than the whole cache is not recorded: it says nothing of the jobs to hold (it
+        enters alone, and vLLM runs its sequences as they fit)."""
+        prefix, own, sequence = self._split(prompt_tokens, max_tokens)
+        blocks = own + max(1, n) * sequence
+        if blocks + prefix > self.blocks:
             return blocks + prefix
         self.prefix_blocks = prefix
         if len(self._sizes) == SIZE_WINDOW:
@@ -136,9 +146,13 @@ class KvBudget:
         self._sizes_total += blocks
         return blocks
 
-    def never_fits(self, blocks: int) -> bool:
-        """Whether a request of ``blocks`` (``need``'s) is larger than the whole cache."""
-        return blocks > self.blocks
+    def sequence_blocks(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The blocks one sequence of a request holds at most, as planned, the shared prefix included."""
+        return sum(self._split(prompt_tokens, max_tokens))
+
+    def never_fits(self, prompt_tokens: int, max_tokens: int | None) -> bool:
+        """Whether one sequence of the request is larger than the whole cache: vLLM could never run it."""
+        return self.sequence_blocks(prompt_tokens, max_tokens) > self.blocks
 
     def fits(self, blocks: int) -> bool:
         """Whether a request of ``blocks`` enters now (alone, it always does: it fits the whole cache)."""
@@ -235,10 +249,10 @@ class Concurrency:
         self.cap = max(self.floor, cap)
         self._adaptive = self._bounded(self._adaptive)
 
-    def set_kv_cache(self, blocks: int, block_size: int, context: int) -> None:
-        """The KV cache's usable blocks and their size, once the engine has allocated it, and the
-        model's context length."""
-        self.kv = KvBudget(blocks, block_size, context)
+    def set_kv_cache(self, blocks: int, block_size: int, context: int, prefix_caching: bool = False) -> None:
+        """The KV cache's usable blocks and their size, once the engine has allocated it, the model's
+        context length, and whether vLLM caches prefixes."""
+        self.kv = KvBudget(blocks, block_size, context, prefix_caching)
         log.info("KV cache: %d blocks of %d tokens; requests enter vLLM as they fit whole", blocks, block_size)
 
     def observe(self, *, running: int, waiting: int, kv_usage: float, started: int, finished: int,

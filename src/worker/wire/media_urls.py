@@ -3,8 +3,8 @@ holds every request vLLM sends for media to, the URL's own and each redirect's.
 
 A caller's image, audio or video URL makes the worker fetch it, from inside the endpoint's network.
 So a host is refused when any address it resolves to is not on the public internet (loopback,
-private, link-local, shared, reserved, multicast, unspecified; an IPv4-mapped IPv6 address as its
-IPv4 one), unless ``ALLOWED_PRIVATE_MEDIA_NETWORKS`` holds it; and, when vLLM's
+private, link-local, shared, reserved, multicast, unspecified; an IPv6 address that carries an
+IPv4 one, IPv4-mapped, 6to4, Teredo or NAT64's, as that IPv4 one), unless ``ALLOWED_PRIVATE_MEDIA_NETWORKS`` holds it; and, when vLLM's
 ``ALLOWED_MEDIA_DOMAINS`` is set, a host it does not list. Both hold for every redirect.
 """
 
@@ -44,9 +44,18 @@ def _kind(address: Address) -> str | None:
     return None if address.is_global else "not public"  # 100.64.0.0/10, shared by carriers
 
 
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")  # the well-known prefix: a NAT64 gateway reaches its IPv4
+
+
 def _unmapped(address: Address) -> Address:
-    """An IPv4-mapped IPv6 address as the IPv4 one it reaches (``::ffff:127.0.0.1``: 127.0.0.1)."""
-    return getattr(address, "ipv4_mapped", None) or address
+    """An IPv6 address that carries an IPv4 one as the IPv4 address it reaches: IPv4-mapped
+    (``::ffff:127.0.0.1``), 6to4 (``2002:7f00:1::``), Teredo's client, NAT64's (``64:ff9b::7f00:1``).
+    Python reads 6to4 and NAT64 addresses as global whatever they carry."""
+    if address.version == 4:
+        return address
+    if carried := address.ipv4_mapped or address.sixtofour or (address.teredo or (None, None))[1]:
+        return carried
+    return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) if address in _NAT64 else address
 
 
 @dataclass(frozen=True)
@@ -57,16 +66,20 @@ class MediaURLPolicy:
     private_networks: tuple[Network, ...] = ()
     domains: tuple[str, ...] = ()
 
-    def refusal(self, url: str, lookup: Callable[[str, int], list[str]] = resolve) -> str | None:
+    def refusal(self, url: str, lookup: Callable[[str, int], list[str]] = resolve,
+                proxied: bool = False) -> str | None:
         """Why ``url`` may not be fetched, in words naming the variable that decides; None when it
-        may. A host that does not resolve is left to the fetch, which fails on it as before."""
+        may. A host that does not resolve is left to the fetch, which fails on it as before, unless
+        the fetch goes through a proxy (``proxied``): the proxy would resolve it, on its own network."""
         _, host, port = origin(url)
         if (refused := self.hop_refusal(url)) is not None or _address(host) is not None:
             return refused
         try:
             found = lookup(host, port)
         except OSError:
-            return None
+            return (f"{host} does not resolve here, so the addresses a proxy (HTTP_PROXY, HTTPS_PROXY) would "
+                    "fetch it from cannot be checked; media through a proxy comes from hosts that resolve "
+                    "here") if proxied else None
         return self.addresses_refusal(host, found)
 
     def hop_refusal(self, url: str) -> str | None:
