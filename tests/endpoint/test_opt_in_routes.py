@@ -61,10 +61,11 @@ def test_tokenizer_info_and_the_batch_route(endpoint, model):
 
 
 def test_a_request_past_the_execution_timeout_gets_a_504_and_its_job_is_stopped(client, model, endpoint):
-    # 4 × 1800 tokens take the tiny model far longer than the timeout on any CPU.
+    # 100 × 1800 tokens take the tiny model several times the timeout (4 × 1800 once finished about
+    # when the timeout came, leaving nothing to abort); they fit its KV cache (250,000 tokens).
     with pytest.raises(openai.InternalServerError) as raised:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
-                                       max_tokens=1800, n=4, extra_body={"ignore_eos": True})
+                                       max_tokens=1800, n=100, extra_body={"ignore_eos": True})
     assert raised.value.status_code == 504 and "execution timeout" in str(raised.value)
     assert wait_for(lambda: re.search(r"Aborted request\(s\) chatcmpl-", endpoint.log()), 30) < 30
     after = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
