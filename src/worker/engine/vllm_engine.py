@@ -207,9 +207,9 @@ class vLLMEngine(FromParts):  # noqa: N801 - public name kept from worker-vllm
         llm_input, form = job.llm_input, job.input_form
         if form in ("texts", "token_id_lists") or (form == "token_ids" and job.apply_chat_template):
             raise RequestError(
-                "the tokens format of raw jobs (RAW_JOB_FORMAT=tokens) takes one prompt: a string, token ids or chat messages (with "
-                "apply_chat_template, a string or messages); a list of prompts goes to /v1/completions "
-                "with RAW_JOB_FORMAT=openai or as an 'openai_route' job", param="prompt")
+                "the tokens format of raw jobs (RAW_JOB_FORMAT=tokens) takes one prompt: a string, token "
+                "ids or chat messages (with apply_chat_template, a string or messages); a list of prompts "
+                "goes to /v1/completions with RAW_JOB_FORMAT=openai or as an 'openai_route' job", param="prompt")
         if form == "token_ids":
             return llm_input
         if job.apply_chat_template or form == "messages":
