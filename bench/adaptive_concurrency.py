@@ -304,14 +304,14 @@ def _measure_cost(config: str, dtype: str) -> dict[str, float]:
     per output token of this process (the front end) and of all (with the engine core)."""
     import psutil
 
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine as adapter_engine
     from bench.handler_overhead import EnginePaths
     from handler import start_engine
     from worker.config.settings import load_config
 
     disable_log_stats, feed, prometheus = COST_CONFIGS[config]
     if prometheus:
-        vllm_adapter._drop_prometheus = lambda llm: None
+        adapter_engine._drop_prometheus = lambda llm: None
     env = _tiny_env(Plan(dtype=dtype or None), DISABLE_LOG_STATS=disable_log_stats)
     if not feed:
         env.update(MIN_CONCURRENCY="64", MAX_CONCURRENCY="64")  # fixed: no feed

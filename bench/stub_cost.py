@@ -140,7 +140,7 @@ def run(plan: Plan, results: Results) -> None:
 
     import handler
 
-    freeze_gc_heap()  # as the worker's start-up does (vllm_adapter.build_openai_app)
+    freeze_gc_heap()  # as the worker's start-up does (vllm_adapter/openai_app.build_openai_app)
 
     raw_job = {"prompt": "stub", "stream": True, "sampling_params": {"max_tokens": TOKENS}}
     openai_job = {"openai_route": CHAT_ROUTE,

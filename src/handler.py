@@ -133,7 +133,7 @@ async def handler(job: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         yield deadline_error(f"Job {job.get('id')}", passed, timeout, settings.shutdown_grace_period,
                              anthropic, limit)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one structured error
-        from worker.vllm_adapter import error_status, is_fatal  # loaded already: the engine runs on it
+        from worker.vllm_adapter.errors import error_status, is_fatal  # loaded already: the engine runs on it
 
         if is_fatal(exc):
             log.critical("Engine is dead (%s): exit 1, so that RunPod replaces this worker", exc)
@@ -181,7 +181,7 @@ SERVING_MODULES = ("runpod", "worker.scheduling.job_loop", "worker.routes.servin
 
 def _import_serving() -> None:
     """Imports what only serving needs; a failure is raised again where main() imports it for use."""
-    from worker.vllm_adapter import import_app_modules
+    from worker.vllm_adapter.openai_app import import_app_modules
 
     try:
         for name in SERVING_MODULES:
@@ -230,7 +230,8 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog,
     phase("model")
     watchdog.enter("load")
     from worker.config.settings import load_config
-    from worker.vllm_adapter import CACHE_ENTRY_DIRS, cache_root, engine_phase
+    from worker.vllm_adapter.engine_env import CACHE_ENTRY_DIRS, cache_root
+    from worker.vllm_adapter.engine_notes import engine_phase
 
     watchdog.engine_phase = engine_phase
     config = load_config(downloaded=downloaded)
@@ -285,7 +286,7 @@ def _answer_failure(failure: StartupError, server: WorkerServer | None) -> NoRet
 def _serve_http(server: WorkerServer, settings: WorkerSettings) -> None:
     """Serve the routes and raw jobs over HTTP until SIGTERM (``load_balancer/server``)."""
     from worker.load_balancer.app import Serving
-    from worker.vllm_adapter import is_dead
+    from worker.vllm_adapter.engine import is_dead
 
     server.serve(Serving(openai_engine.app, openai_engine.routes, handler, deadlines, settings,
                          is_dead=lambda: is_dead(vllm_engine.llm), on_death=lambda: _exit_soon(1)),
@@ -383,7 +384,7 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 elif __name__ == "__mp_main__":  # a vLLM process spawned by this worker: note why it fails to start
-    from worker.vllm_adapter import note_engine_failures
+    from worker.vllm_adapter.engine_notes import note_engine_failures
 
     mask_streams()  # as in the worker's process, which a forked one inherits
     mask_log_records()

@@ -5,9 +5,10 @@ pytest run with the configuration unit tests (test_engine_args.py, test_legacy_e
 test_job_input.py: ``resolve_args`` over their configuration matrix, sampling parameters). Not part
 of the normal suite (the file name is not ``test_*.py``); it also passes on the tested release.
 
-What it checks, with the real adapter and worker modules and no engine core:
+What it checks, with the real adapter (``worker.vllm_adapter``) and worker modules and no engine core:
 
-1. the adapter imports, on the release asked for; the engine calls the worker makes still bind;
+1. every module of the adapter imports, on the release asked for; the engine calls the worker makes
+   still bind;
 2. every engine and front-end flag is read from its UPPER_SNAKE env name (but the HTTP server's,
    ``arg_parser.SERVER_ONLY``), each front-end flag is classified (``unclassified_frontend_flags``),
    and a typed sample value of each flag (booleans both ways, a choice, a number, a list, JSON)
@@ -28,8 +29,10 @@ import argparse
 import asyncio
 import copy
 import dataclasses
+import importlib
 import inspect
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -43,7 +46,8 @@ from conftest import REPO, engine_env
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from worker import vllm_adapter as adapter
+from worker import vllm_adapter
+from worker.vllm_adapter import admission, cli, engine, engine_config, engine_notes, lora, openai_app, raw_jobs
 from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, REFUSED_ENGINE, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
                         unclassified_frontend_flags)
 from worker.model.baked_args import BAKED_SOURCE_KEYS
@@ -85,32 +89,35 @@ def test_the_adapter_imports_on_the_release_asked_for():
     print(f"vLLM {vllm.__version__} from {os.path.dirname(vllm.__file__)}")
     assert wanted is None or vllm.__version__.split("+")[0] == wanted, (
         f"asked for vLLM {wanted}, imported {vllm.__version__} from {vllm.__file__}")
-    missing = [name for name in adapter.__all__ if not hasattr(adapter, name)]
-    assert not missing
+    modules = [importlib.import_module(f"worker.vllm_adapter.{info.name}")
+               for info in pkgutil.iter_modules(vllm_adapter.__path__)]
+    missing = [f"{module.__name__}.{name}" for module in modules for name in module.__all__
+               if not hasattr(module, name)]
+    assert modules and not missing
 
 
 def test_the_engine_calls_the_worker_makes_still_bind():
     """The engine cannot run here: at least its methods take the arguments the worker passes."""
     from vllm.outputs import CompletionOutput
 
-    llm = adapter.AsyncLLM
+    llm = engine.AsyncLLM
     inspect.signature(llm.from_vllm_config).bind(
         object(), usage_context=None, enable_log_requests=False, disable_log_stats=True, stat_loggers=[])
     inspect.signature(llm.generate).bind(object(), "prompt", "params", "request-id")
     inspect.signature(llm.encode).bind(object(), "prompt", "params", "request-id")
     for name in ("get_tokenizer", "get_supported_tasks", "shutdown"):
         inspect.signature(getattr(llm, name)).bind(object())
-    assert isinstance(inspect.getattr_static(llm, "errored"), property)  # adapter.is_dead reads it
+    assert isinstance(inspect.getattr_static(llm, "errored"), property)  # engine.is_dead reads it
     fields = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"index", "text", "token_ids", "logprobs"} <= fields
-    assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= adapter.SAMPLING_FIELDS
+    assert {"temperature", "max_tokens", "stop", "seed", "n", "logprobs"} <= raw_jobs.SAMPLING_FIELDS
 
 
 def test_the_compile_cache_entry_is_named_by_this_releases_config_hash(models):
     """engine/compile_cache and the CPU build's Inductor entry name a configuration by its hash."""
     vllm_config = load_config(engine_env(models["tiny-llama"])).args.engine_config()
-    digest = adapter.config_hash(vllm_config)
-    assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == adapter.config_hash(vllm_config)
+    digest = engine_config.config_hash(vllm_config)
+    assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == engine_config.config_hash(vllm_config)
 
 
 def test_the_gpu_drivers_out_of_memory_is_out_of_memory():
@@ -129,7 +136,7 @@ def test_the_gpu_drivers_out_of_memory_is_out_of_memory():
     for code, short in ((2, True), (1, False)):
         with pytest.raises(RuntimeError) as failed:
             Driver()._check(code)
-        assert adapter.failure_note(failed.value)["out_of_memory"] is short
+        assert engine_notes.failure_note(failed.value)["out_of_memory"] is short
 
 
 def test_the_start_up_watchdog_still_sees_the_weights_load():
@@ -140,14 +147,14 @@ def test_the_start_up_watchdog_still_sees_the_weights_load():
     root = Path(vllm.__file__).parent
     sources = [path.read_text() for folder in ("model_executor/model_loader", "v1/worker")
                for path in (root / folder).rglob("*.py")]
-    assert {text for text in adapter.WEIGHTS_LOADED_LOGS if any(text in source for source in sources)}
+    assert {text for text in engine_notes.WEIGHTS_LOADED_LOGS if any(text in source for source in sources)}
 
 
 def test_a_raw_job_in_the_openai_format_knows_the_request_fields():
     """Raw jobs refuse request parameters at their top level (``engine/sampling``), and the openai
     format sends ``sampling_params`` as these routes' bodies."""
     assert {"prompt", "messages", "max_tokens", "temperature", "response_format", "tools",
-            "stream_options"} <= adapter.REQUEST_FIELDS
+            "stream_options"} <= raw_jobs.REQUEST_FIELDS
 
 
 def test_the_scheduler_feed_reads_what_this_release_reports():
@@ -158,7 +165,7 @@ def test_the_scheduler_feed_reads_what_this_release_reports():
     from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
     loads = []
-    tap = adapter._load_tap(lambda **load: loads.append(load))(object(), engine_indexes=[0, 1])
+    tap = engine._load_tap(lambda **load: loads.append(load))(object(), engine_indexes=[0, 1])
     step = IterationStats()
     step.time_to_first_tokens_iter += [0.1, 0.2]
     step.num_preempted_reqs = 1
@@ -173,7 +180,7 @@ def test_the_scheduler_feed_reads_what_this_release_reports():
                      {"running": 4, "waiting": 2, "kv_usage": 0.3, "started": 0, "finished": 0, "preempted": 0,
                       "outputs": ()}]
     # What _drop_prometheus edits: the engine's logger manager and its list of loggers.
-    assert "self.logger_manager" in inspect.getsource(adapter.AsyncLLM.__init__)
+    assert "self.logger_manager" in inspect.getsource(engine.AsyncLLM.__init__)
     assert "self.stat_loggers" in inspect.getsource(StatLoggerManager.__init__)
 
 
@@ -187,8 +194,8 @@ def test_the_admission_gate_reads_what_this_release_has():
     assert {"num_gpu_blocks", "block_size"} <= {f.name for f in dataclasses.fields(CacheConfig)}
     for name in ("is_attention_free", "is_hybrid", "is_encoder_decoder", "get_sliding_window", "max_model_len"):
         assert hasattr(ModelConfig, name) or name in ModelConfig.__dataclass_fields__, name
-    assert adapter.prompt_tokens({"prompt_token_ids": [1, 2, 3]}) == 3
-    assert adapter.prompt_tokens({"encoder_prompt": {}, "decoder_prompt": {"prompt_token_ids": [1]}}) == 1
+    assert admission.prompt_tokens({"prompt_token_ids": [1, 2, 3]}) == 3
+    assert admission.prompt_tokens({"encoder_prompt": {}, "decoder_prompt": {"prompt_token_ids": [1]}}) == 1
 
 
 # --- 2. env → flag, for every flag ----------------------------------------------------------------
@@ -246,7 +253,7 @@ def test_every_flag_is_read_from_its_env_name():
     assert p.env_dests, "no engine flags found"
     assert FRONTEND_DESTS <= set(p.actions), "front-end flags gone from vLLM's parser"
     assert not SERVER_ONLY.keys() & p.env_dests, "HTTP-server flags read from env"
-    assert adapter.engine_arg_dests() <= set(p.actions), "engine flags missing from `vllm serve`"
+    assert cli.engine_arg_dests() <= set(p.actions), "engine flags missing from `vllm serve`"
     wrong = {dest: p.dest_for_env(dest.upper()) for dest in p.env_dests
              if p.dest_for_env(dest.upper()) != (None if dest.upper() in RESERVED_ENV else dest)}
     assert not wrong
@@ -256,7 +263,7 @@ def test_every_flag_is_read_from_its_env_name():
 def test_every_frontend_flag_is_classified():
     unclassified = unclassified_frontend_flags()
     assert not unclassified, f"front-end flags neither reviewed nor server-only in arg_parser: {unclassified}"
-    assert SERVER_ONLY.keys() <= adapter.frontend_arg_dests(), "SERVER_ONLY names flags vLLM no longer has"
+    assert SERVER_ONLY.keys() <= cli.frontend_arg_dests(), "SERVER_ONLY names flags vLLM no longer has"
 
 
 def test_every_serve_only_flag_is_classified():
@@ -264,21 +271,21 @@ def test_every_serve_only_flag_is_classified():
     processes: each is named in ``_SERVE_ONLY`` so that VLLM_EXTRA_ARGS ignores it with a reason."""
     from worker.config.arg_parser import _SERVE_ONLY
 
-    dests = {action.dest for action in adapter.build_arg_parser()._actions}
-    own = dests - adapter.engine_arg_dests() - adapter.frontend_arg_dests() - {"config", "help", "model_tag"}
+    dests = {action.dest for action in cli.build_arg_parser()._actions}
+    own = dests - cli.engine_arg_dests() - cli.frontend_arg_dests() - {"config", "help", "model_tag"}
     assert not own - _SERVE_ONLY.keys(), f"serve flags new in this release: {sorted(own - _SERVE_ONLY.keys())}"
 
 
 def test_every_engine_flag_is_reviewed():
     listed = Path(__file__).with_name("engine_flags.txt").read_text().splitlines()
     reviewed = {line for line in listed if line and not line.startswith("#")}
-    new = sorted(adapter.engine_arg_dests() - reviewed)
+    new = sorted(cli.engine_arg_dests() - reviewed)
     assert not new, f"engine flags new in this release, to review (tests/contract/engine_flags.txt): {new}"
 
 
 @pytest.mark.parametrize("dest", sorted(REFUSED_ENGINE))
 def test_an_engine_flag_the_worker_refuses_stops_the_start_named(models, dest):
-    if dest not in adapter.engine_arg_dests():
+    if dest not in cli.engine_arg_dests():
         pytest.skip(f"this release has no {dest}")
     name = dest.upper()
     with pytest.raises(ConfigError) as refused:
@@ -377,7 +384,7 @@ def apps(configs) -> dict[str, Any]:
         env.setenv("VLLM_API_KEY", "contract-check")  # the adapter must drop vLLM's auth
         for name in ROUTE_ENV:
             env.delenv(name, raising=False)
-        return {runner: asyncio.run(adapter.build_openai_app(
+        return {runner: asyncio.run(openai_app.build_openai_app(
                     StubEngine(vllm_config, MODELS[runner][2]), config.args.namespace))
                 for runner, (config, vllm_config) in configs.items()}
 
@@ -389,7 +396,7 @@ def _paths(app) -> set[str]:
 @pytest.mark.parametrize("runner", list(MODELS))
 def test_the_app_builds_as_the_worker_builds_it(apps, runner):
     app = apps[runner]
-    assert not [m for m in app.user_middleware if m.cls is adapter.AuthenticationMiddleware]
+    assert not [m for m in app.user_middleware if m.cls is openai_app.AuthenticationMiddleware]
     wanted = {"generate": {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"},
               "pooling": {"/v1/embeddings"}}[runner] | {"/v1/models", "/tokenize", "/detokenize"}
     assert wanted <= _paths(app), wanted - _paths(app)
@@ -408,20 +415,20 @@ def test_adapters_by_name_reach_this_releases_serving_classes(apps):
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in check and "self.models.resolve_lora(" in check
     assert "self.models.lora_requests" in inspect.getsource(BaseServing._maybe_get_adapters)
     for name in ("add_lora", "list_loras"):
-        assert name in dir(adapter.AsyncLLM)
-    inspect.signature(adapter.AsyncLLM.add_lora).bind(object(), adapter.LoRARequest("a", 1, "/a"))
-    assert callable(adapter.LoRAResolverRegistry.get_supported_resolvers)
+        assert name in dir(engine.AsyncLLM)
+    inspect.signature(engine.AsyncLLM.add_lora).bind(object(), lora.LoRARequest("a", 1, "/a"))
+    assert callable(lora.LoRAResolverRegistry.get_supported_resolvers)
 
     async def resolve(name):
         if name == "a":
-            return adapter.LoRARequest("a", 7, "/a")
+            return lora.LoRARequest("a", 7, "/a")
         raise RequestError(f"The model `{name}` does not exist.", status=404)
 
     async def available():
         return ["a", "c"]
 
     models, loaded = apps["generate"].state.openai_serving_models, {}
-    adapter.serve_adapters(models, resolve, loaded, available)
+    lora.serve_adapters(models, resolve, loaded, available)
     assert models.lora_requests is loaded
     assert asyncio.run(models.resolve_lora("a")).lora_int_id == 7
     assert asyncio.run(models.resolve_lora("b")).error.code == 404

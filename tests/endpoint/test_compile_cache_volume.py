@@ -14,7 +14,7 @@ from local_endpoint import LocalEndpoint
 
 from worker.engine.compile_cache import TMP_PREFIX, entries
 from worker.config.settings import VOLUME_CACHE_DIR
-from worker.vllm_adapter import CACHE_ENTRY_DIRS
+from worker.vllm_adapter.engine_env import CACHE_ENTRY_DIRS
 
 COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}
 JOB = {"input": {"prompt": "The lighthouse keeper", "sampling_params": {"temperature": 0, "max_tokens": 8}}}
@@ -70,7 +70,7 @@ def test_two_workers_starting_at_once_share_one_volume_cache_and_a_third_starts_
         for endpoint in first:
             endpoint.stop()
     on_volume = entries(shared, CACHE_ENTRY_DIRS)
-    # On the CPU, Inductor's compiled kernels are an entry of their own (vllm_adapter._cpu_compile_cache).
+    # On the CPU, Inductor's compiled kernels are an entry of their own (vllm_adapter/engine_env._cpu_compile_cache).
     inductor = [name for name in on_volume if name.startswith("torch_compile_cache/inductor-")]
     assert inductor, on_volume
     # with torch's precompiled C++ headers, which it keeps under the temp dir (linked into the entry)

@@ -17,7 +17,8 @@ import handler
 from worker.engine.admission import Admission
 from worker.jobs.job_input import JobInput
 from worker.scheduling.concurrency import START, Concurrency, KvBudget
-from worker.vllm_adapter import SamplingParams, gate_requests
+from worker.vllm_adapter.admission import gate_requests
+from worker.vllm_adapter.raw_jobs import SamplingParams
 
 
 @contextlib.contextmanager

@@ -173,24 +173,24 @@ def test_only_a_chosen_inductor_cache_dir_is_the_users_own(value, own, monkeypat
     import getpass
     import tempfile
 
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine_env
 
     if value is None:
         monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     else:
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR",
                            value.format(tmp=tempfile.gettempdir(), user=getpass.getuser()))
-    assert vllm_adapter._users_own("TORCHINDUCTOR_CACHE_DIR") is own
+    assert engine_env._users_own("TORCHINDUCTOR_CACHE_DIR") is own
 
 
 def test_what_the_worker_set_itself_is_not_the_users_own(monkeypatch):
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine_env
 
-    monkeypatch.setitem(vllm_adapter._SET_HERE, "VLLM_USE_AOT_COMPILE", "0")
+    monkeypatch.setitem(engine_env._SET_HERE, "VLLM_USE_AOT_COMPILE", "0")
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "0")
-    assert not vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
+    assert not engine_env._users_own("VLLM_USE_AOT_COMPILE")
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")
-    assert vllm_adapter._users_own("VLLM_USE_AOT_COMPILE")
+    assert engine_env._users_own("VLLM_USE_AOT_COMPILE")
 
 
 def test_torchs_precompiled_headers_are_kept_in_the_entry(tmp_path, monkeypatch):
@@ -198,12 +198,12 @@ def test_torchs_precompiled_headers_are_kept_in_the_entry(tmp_path, monkeypatch)
     makes them part of the entry, re-pointed for another configuration's entry."""
     import torch._inductor.codecache
 
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine_env
 
     headers = tmp_path / "tmp" / "torchinductor_me" / "precompiled_headers"
     monkeypatch.setattr(torch._inductor.codecache, "_HEADER_DIR", str(headers))
     for entry in (tmp_path / "cache" / "inductor-a", tmp_path / "cache" / "inductor-b"):
-        vllm_adapter._keep_precompiled_headers(entry)
+        engine_env._keep_precompiled_headers(entry)
         assert headers.is_symlink() and headers.resolve() == (entry / "precompiled_headers").resolve()
         (headers / "h.gch").write_text("x")
         assert (entry / "precompiled_headers" / "h.gch").read_text() == "x"
@@ -211,7 +211,7 @@ def test_torchs_precompiled_headers_are_kept_in_the_entry(tmp_path, monkeypatch)
 
     headers.unlink()
     headers.mkdir()  # a disk with its own headers keeps them
-    vllm_adapter._keep_precompiled_headers(tmp_path / "cache" / "inductor-c")
+    engine_env._keep_precompiled_headers(tmp_path / "cache" / "inductor-c")
     assert not headers.is_symlink() and not (tmp_path / "cache" / "inductor-c").exists()
 
 

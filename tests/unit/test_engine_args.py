@@ -18,7 +18,8 @@ from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_
 from worker.wire.errors import ConfigError
 from worker.config.settings import config_file, load_config, load_settings
 from worker.env_text import BOOL_SPELLINGS, parse_bool
-from worker.vllm_adapter import VLLM_VERSION, frontend_arg_dests
+from worker.vllm_adapter.cli import frontend_arg_dests
+from worker.vllm_adapter.engine_config import VLLM_VERSION
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 

@@ -17,7 +17,7 @@ from worker.config.settings import WorkerSettings
 from worker.engine.background_loop import BackgroundLoop
 from worker.engine.tokenizer import NO_TEMPLATE, TokenizerWrapper
 from worker.engine.vllm_engine import vLLMEngine
-from worker.vllm_adapter import EngineDeadError, is_fatal
+from worker.vllm_adapter.errors import EngineDeadError, is_fatal
 
 
 class FailingEngine:

@@ -8,7 +8,7 @@ from worker.wire.errors import RequestError
 from worker.wire.nesting import MAX_DEPTH, Raw
 from worker.jobs.job_input import JobInput
 from worker.engine.sampling import DEFAULT_MAX_TOKENS, build_sampling_params
-from worker.vllm_adapter import RequestOutputKind
+from worker.vllm_adapter.raw_jobs import RequestOutputKind
 
 
 def parse(payload, job_id="job-1"):

@@ -1,5 +1,5 @@
 """The media-URL policy (wire/media_urls), and vLLM's media connector held to it
-(vllm_adapter.guard_media_urls), fetching from local servers over both of vLLM's HTTP clients. On
+(vllm_adapter/media.guard_media_urls), fetching from local servers over both of vLLM's HTTP clients. On
 the real engine and a real worker: tests/engine/test_vision.py, tests/worker/test_media_urls_worker.py."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 from media_server import MediaServer
 
 from worker.config.settings import load_settings
-from worker.vllm_adapter import REQUEST_ERRORS, error_status, guard_media_urls
+from worker.vllm_adapter.errors import REQUEST_ERRORS, error_status
+from worker.vllm_adapter.media import guard_media_urls
 from worker.wire.errors import ConfigError
 from worker.wire.media_urls import MediaURLPolicy, origin
 

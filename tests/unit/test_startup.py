@@ -14,7 +14,8 @@ from worker.startup import failed_start
 from worker.wire.errors import ConfigError, StartupError
 from worker.config.settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
 from worker.startup.steps import engine_failure
-from worker.vllm_adapter import MemoryEstimate, failure_note
+from worker.vllm_adapter.engine_config import MemoryEstimate
+from worker.vllm_adapter.engine_notes import failure_note
 
 KV_NOTE = {"type": "ValueError", "message": "To serve at least one request ...", "out_of_memory": False,
            "kv_cache_too_small": True}
@@ -64,7 +65,7 @@ def retried(models, monkeypatch):
     ends as ``second`` says; returns its result (or the StartupError it raised), and each build's
     gpu_memory_utilization. The builds are stand-ins: this is start_engine's own logic."""
     from worker.startup import steps
-    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV
+    from worker.vllm_adapter.engine_notes import ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV
 
     for name in (ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV):  # start_engine sets them
         monkeypatch.delenv(name, raising=False)
@@ -229,12 +230,12 @@ def test_the_memory_estimate_reads_vllms_model_config_on_a_gpu(models, monkeypat
     the KV cache's own size when KV_CACHE_MEMORY_BYTES gives one."""
     import types
 
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine_config
 
     gpu = types.SimpleNamespace(is_cuda_alike=lambda: True, get_device_total_memory=lambda: 2**30)
     weights = (models["tiny-llama"] / "model.safetensors").stat().st_size
     config = load_config(engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES="")).args.engine_config()
-    monkeypatch.setattr(vllm_adapter, "current_platform", gpu)
-    assert vllm_adapter.memory_estimate(config) == MemoryEstimate(weights, 1024, int(2**30 * 0.95))
+    monkeypatch.setattr(engine_config, "current_platform", gpu)
+    assert engine_config.memory_estimate(config) == MemoryEstimate(weights, 1024, int(2**30 * 0.95))
     config.cache_config.kv_cache_memory_bytes = 5000
-    assert vllm_adapter.memory_estimate(config).budget == weights + 5000
+    assert engine_config.memory_estimate(config).budget == weights + 5000

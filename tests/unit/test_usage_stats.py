@@ -1,4 +1,4 @@
-"""vLLM's usage statistics are off unless the operator turns them on (``vllm_adapter._no_usage_stats``,
+"""vLLM's usage statistics are off unless the operator turns them on (``vllm_adapter/engine_env._no_usage_stats``,
 set where the worker sets its engine processes' environment), read as vLLM reads them. A real worker's
 engine process: tests/worker/test_process.py."""
 
@@ -19,7 +19,7 @@ USAGE = "VLLM_NO_USAGE_STATS"
 def test_usage_statistics_are_sent_only_when_the_operator_says_so(value, setting, sent, monkeypatch):
     import vllm.envs
 
-    from worker import vllm_adapter
+    from worker.vllm_adapter import engine_env
 
     monkeypatch.delenv("DO_NOT_TRACK", raising=False)
     monkeypatch.delenv("VLLM_DO_NOT_TRACK", raising=False)
@@ -27,7 +27,7 @@ def test_usage_statistics_are_sent_only_when_the_operator_says_so(value, setting
         monkeypatch.delenv(USAGE, raising=False)
     else:
         monkeypatch.setenv(USAGE, value)
-    monkeypatch.setitem(vllm_adapter._SET_HERE, USAGE, "")  # logged again
-    vllm_adapter._no_usage_stats()
+    monkeypatch.setitem(engine_env._SET_HERE, USAGE, "")  # logged again
+    engine_env._no_usage_stats()
     assert os.environ[USAGE] == setting
     assert vllm.envs.VLLM_NO_USAGE_STATS is not sent and not vllm.envs.VLLM_DO_NOT_TRACK

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.env_text import parse_bool
-from worker.vllm_adapter import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
+from worker.vllm_adapter.cli import arg_annotations, build_arg_parser, engine_arg_dests, frontend_arg_dests
 
 log = logging.getLogger(__name__)
 

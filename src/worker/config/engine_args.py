@@ -52,18 +52,17 @@ from worker.config.legacy_env import translate as legacy_texts
 from worker.env_text import env_value
 from worker.model import baked_args
 from worker.model.model_folder import check_model_folder
-from worker.vllm_adapter import (
+from worker.vllm_adapter.cli import engine_args_from, validate_frontend_args
+from worker.vllm_adapter.engine_config import (
     VLLM_RESOLVES_MEMORY_UTILIZATION,
     VLLM_VERSION,
     AsyncEngineArgs,
     VllmConfig,
     create_engine_config,
-    engine_args_from,
     engine_config_message,
     memory_estimate,
     refused_variable,
     unsupported_architectures,
-    validate_frontend_args,
     visible_gpu_count,
 )
 from worker.wire.errors import ConfigError

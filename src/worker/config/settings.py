@@ -29,16 +29,16 @@ Outside this layer the environment is touched on purpose in these places only:
 - ``model/download_model``: reads the Dockerfile's build args (at build time, without vLLM);
 - ``startup/steps``: sets WORKER_ENGINE_FAILURE_FILE (``ENGINE_FAILURE_FILE_ENV``) and
   WORKER_ENGINE_PHASE_FILE (``ENGINE_PHASE_FILE_ENV``), the files where vLLM's processes note why they
-  failed and that the weights are loaded, which ``vllm_adapter`` reads (``_note_failure`` and
-  ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
-- ``vllm_adapter._engine_process_env``: the one place the worker sets what vLLM's engine processes
+  failed and that the weights are loaded, which ``vllm_adapter/engine_notes`` reads (``_note_failure``
+  and ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
+- ``vllm_adapter/engine_env.engine_process_env``: the one place the worker sets what vLLM's engine processes
   inherit: VLLM_NO_USAGE_STATS=1 (no usage statistics sent) unless the operator set it false, and on
   the CPU VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR (``_cpu_compile_cache``) unless the user
   set them (``_users_own``).
 - ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS,
   RUNPOD_SKIP_GPU_CHECK and RUNPOD_FITNESS_CHECKS_DONE, once the worker has read them (``fitness_settings``) to run the checks itself;
-- ``vllm_adapter._allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so that
-  vLLM's serving classes ask the worker's adapter registry for a name they do not know.
+- ``vllm_adapter/lora.allow_adapters_by_name``: sets VLLM_ALLOW_RUNTIME_LORA_UPDATING, with LoRA on, so
+  that vLLM's serving classes ask the worker's adapter registry for a name they do not know.
 
 vLLM, torch and huggingface_hub read their own variables (VLLM_*, TORCH*, HF_*) as they do for
 ``vllm serve``.
@@ -282,7 +282,7 @@ class WorkerConfig:
     served_names: frozenset[str] = frozenset()
     # Where LoRA adapters named by requests are found; None with LoRA off.
     adapters: AdapterSources | None = None
-    # Which media URLs vLLM may fetch (vllm_adapter.guard_media_urls holds it to them).
+    # Which media URLs vLLM may fetch (vllm_adapter/media.guard_media_urls holds it to them).
     media_urls: MediaURLPolicy = MediaURLPolicy()
 
 
@@ -373,7 +373,7 @@ def load_config(env: Mapping[str, str] | None = None,
     """Read and validate all configuration; raises ConfigError listing every problem.
     ``downloaded``: the model (and tokenizer) ``preflight`` fetched, served from their snapshots."""
     from worker.config.engine_args import known_env_names, resolve_args  # imports vLLM
-    from worker.vllm_adapter import vllm_env_names
+    from worker.vllm_adapter.engine_config import vllm_env_names
 
     env = os.environ if env is None else env
     _warn_near_misses(env, known_env_names() | WorkerSettings.env_names() | _env_names(FitnessSettings),

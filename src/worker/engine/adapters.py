@@ -1,7 +1,7 @@
 """``Adapters``: the LoRA adapters one engine serves by name, loaded on first use.
 
 Raw jobs (their ``model``) and vLLM's serving classes (a body's ``model``, through
-``vllm_adapter.serve_adapters``) share one registry, so a name is loaded once, under one id. A name
+``vllm_adapter/lora.serve_adapters``) share one registry, so a name is loaded once, under one id. A name
 is looked for in the worker's sources (``model/lora_adapters``: the volume, the image, the hub),
 then by any LoRA resolver registered with vLLM (its own filesystem and hub plugins, or a user's).
 ``LORA_MODULES``' adapters, which vLLM loads at start, join the registry when the app is built.
@@ -15,7 +15,8 @@ thread pool of the registry's own, apart from the one prompts are tokenised in.
 
 vLLM keeps the adapters it holds within MAX_LORAS (on the GPU, per batch) and MAX_CPU_LORAS (in
 memory), evicting the least recently used. Once this worker has known more than it holds, each
-request with an adapter loads it again first if it was evicted (``vllm_adapter.keep_adapters_loaded``).
+request with an adapter loads it again first if it was evicted
+(``vllm_adapter/lora.keep_adapters_loaded``).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from http import HTTPStatus
 
 from worker.model.adapter_files import NAME
 from worker.model.lora_adapters import AdapterError, AdapterSources
-from worker.vllm_adapter import (
-    AsyncLLM,
+from worker.vllm_adapter.engine import AsyncLLM
+from worker.vllm_adapter.lora import (
     LoRARequest,
     keep_adapters_loaded,
     load_adapter,

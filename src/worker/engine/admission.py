@@ -15,7 +15,8 @@ is larger than the whole cache. A request whose ``n`` sequences do not fit toget
 alone, and vLLM runs its sequences as they fit, as it would without the gate. A refused request takes
 nothing from the requests in flight or waiting.
 
-Runs on the engine's event loop, as every request does (``vllm_adapter.gate_requests`` wraps its generate).
+Runs on the engine's event loop, as every request does (``vllm_adapter/admission.gate_requests`` wraps
+its generate).
 """
 
 from __future__ import annotations

@@ -15,14 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from worker.vllm_adapter import (
-    REQUEST_ERRORS,
-    REQUEST_FIELDS,
-    SAMPLING_FIELDS,
-    RequestOutputKind,
-    SamplingParams,
-    make_sampling_params,
-)
+from worker.vllm_adapter.errors import REQUEST_ERRORS
+from worker.vllm_adapter.raw_jobs import (REQUEST_FIELDS, SAMPLING_FIELDS, RequestOutputKind,
+                                          SamplingParams, make_sampling_params)
 from worker.wire.errors import RequestError
 
 if TYPE_CHECKING:

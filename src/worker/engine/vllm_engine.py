@@ -30,23 +30,22 @@ from worker.engine.tokenizer import TokenizerWrapper, prompt_chars
 from worker.jobs.batching import batched, job_batch_size
 from worker.jobs.job_input import JobInput
 from worker.wire.errors import RequestError
-from worker.vllm_adapter import (
+from worker.vllm_adapter.admission import Admitted, gate_requests
+from worker.vllm_adapter.engine import (
     POOLING_TASKS,
-    Admitted,
     AsyncLLM,
     LoadObserver,
-    LoRARequest,
-    gate_requests,
-    guard_media_urls,
     PoolingParams,
     RequestOutput,
     TokensPrompt,
-    compiles,
     kv_cache_size,
-    load_chat_template,
     max_num_seqs,
     start_engine,
 )
+from worker.vllm_adapter.engine_env import compiles
+from worker.vllm_adapter.lora import LoRARequest
+from worker.vllm_adapter.media import guard_media_urls
+from worker.vllm_adapter.raw_jobs import load_chat_template
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from worker.routes.asgi_client import Response, request
 from worker.routes.forms import form_body
 from worker.routes.raw_format import raw_request
 from worker.routes.route_table import DENIED, Route, RouteTable
-from worker.vllm_adapter import build_openai_app
+from worker.vllm_adapter.openai_app import build_openai_app
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, error_response

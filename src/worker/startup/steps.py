@@ -108,7 +108,7 @@ def engine_failure(exc: BaseException, note: dict | None, args: ResolvedArgs) ->
     change) when memory was short for a size the user did not choose. ``note``: what vLLM's engine
     process logged. The exception's own text (vLLM's figures, paths, URLs) goes to the log only:
     callers get its kind."""
-    from worker.vllm_adapter import memory_utilization
+    from worker.vllm_adapter.engine_config import memory_utilization
 
     cause = f"{note['type']}: {note['message']}" if note else f"{type(exc).__name__}: {exc}"
     if note and note["kv_cache_too_small"]:
@@ -157,8 +157,8 @@ def _with_flags(config: WorkerConfig, changes: dict[str, object], reason: str) -
 
 def _start_once(config: WorkerConfig, build: Callable[[WorkerConfig], T], note_dir: Path,
                 attempt: int) -> T:
-    from worker.vllm_adapter import ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV, note_engine_failures
-    from worker.vllm_adapter import engine_failure as noted_failure
+    from worker.vllm_adapter.engine_notes import (ENGINE_FAILURE_FILE_ENV, ENGINE_PHASE_FILE_ENV,
+                                                  engine_failure as noted_failure, note_engine_failures)
 
     os.environ[ENGINE_FAILURE_FILE_ENV] = str(note_dir / f"attempt-{attempt}.json")
     os.environ[ENGINE_PHASE_FILE_ENV] = str(note_dir / f"attempt-{attempt}-phase.json")

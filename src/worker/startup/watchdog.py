@@ -14,7 +14,7 @@ fits whatever its size, while a stalled one is counted from its last progress. T
   checks on the hub (``model/preflight``);
 - ``download``: the model's files, into the Hugging Face cache;
 - ``load``: the configuration, vLLM's engine processes and the weights, until vLLM logs that the
-  weights are loaded (its engine processes note it: ``vllm_adapter.engine_phase``);
+  weights are loaded (its engine processes note it: ``vllm_adapter/engine_notes.engine_phase``);
 - ``compile``: the rest of vLLM's engine start: torch.compile, memory profiling, the KV cache, CUDA
   graphs;
 - ``warm-up``: the routes' app and the first request through the engine.

@@ -12,7 +12,7 @@ Two deliberate exceptions stay outside it, as neither reaches a caller as it is:
 ``jobs/deadlines.DeadlinePassed``, which the handler turns into a 408 or 503 error item, and
 ``model/download_model.BakeError``, the image's bake step's (build time, with only its own files).
 Other exceptions (vLLM's) are classified by type, never by message, in the adapter
-(``vllm_adapter.error_status``, ``vllm_adapter.is_fatal``): this module imports no vLLM, so the
+(``vllm_adapter/errors.error_status``, ``is_fatal``): this module imports no vLLM, so the
 modules that raise the worker's errors do not pull in vLLM and torch.
 
 A failed job yields exactly one ``{"error": {...}}`` item (OpenAI's error shape, or Anthropic's on

@@ -1,5 +1,6 @@
-"""Which media URLs the worker's vLLM may fetch: the policy that ``vllm_adapter.guard_media_urls``
-holds every request vLLM sends for media to, the URL's own and each redirect's.
+"""Which media URLs the worker's vLLM may fetch: the policy that ``media_clients`` holds every
+request vLLM sends for media to (``vllm_adapter/media.guard_media_urls`` installs them), the URL's own
+and each redirect's.
 
 A caller's image, audio or video URL makes the worker fetch it, from inside the endpoint's network.
 So a host is refused when any address it resolves to is not on the public internet (loopback,
