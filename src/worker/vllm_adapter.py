@@ -244,10 +244,34 @@ def visible_gpu_count() -> int:
 
 
 def create_engine_config(engine_args: AsyncEngineArgs) -> VllmConfig:
-    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults).
+    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults), its engine
+    processes forked on the CPU too (``_start_method``).
 
     Mutates ``engine_args``, as vLLM does."""
-    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    users = None if _SET_HERE.get(START_METHOD_ENV) == os.environ.get(START_METHOD_ENV) else \
+        env_value(START_METHOD_ENV, os.environ)
+    vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    _start_method(users)
+    return vllm_config
+
+
+# vLLM starts its engine core's and its workers' processes by this method. Its CPU platform sets
+# "spawn" while it builds a configuration, so that each process imports vLLM again: 8 s of a core
+# each, two per start. The worker forks them on the CPU, as vLLM does on a GPU: its own process
+# never runs the model, so no OpenMP thread pool is copied into them. The user's value is kept.
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _start_method(users: str | None) -> None:
+    """Sets the engine processes' start method after vLLM's CPU platform set "spawn": the user's,
+    else (on the CPU) "fork"."""
+    if users is not None:
+        os.environ[START_METHOD_ENV] = users
+    elif current_platform.is_cpu():
+        os.environ[START_METHOD_ENV] = _SET_HERE[START_METHOD_ENV] = "fork"
+    else:
+        return
+    _reread_envs()
 
 
 # vLLM 0.34 leaves gpu_memory_utilization unset (None) unless given, and resolves it by how it sizes
