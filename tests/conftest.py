@@ -58,7 +58,11 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     with parallel.one_at_a_time(item):
-        return (yield)
+        outcome = yield
+    if parallel.group(item.nodeid) == parallel.ENGINES and (
+            nextitem is None or parallel.group(nextitem.nodeid) != parallel.ENGINES):
+        _stop_session_engines()  # tests/engine is done: their memory back, their stop not at the end
+    return outcome
 
 
 def pytest_sessionfinish(session) -> None:
@@ -180,17 +184,35 @@ def whisper_env(models) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def vlm_env(models) -> dict[str, str]:
-    """Idefics3 (SmolVLM's architecture): chat with images as base64 data URLs."""
-    return engine_env(models["tiny-vlm"])
+    """Idefics3 (SmolVLM's architecture): chat with images as base64 data URLs; local files from the
+    model's folder (a flag whose folder vLLM quotes in its errors)."""
+    return engine_env(models["tiny-vlm"], ALLOWED_LOCAL_MEDIA_PATH=str(models["tiny-vlm"]))
+
+
+_SESSION_ENGINES: list = []  # session-scoped engines still running
+
+
+def _stop_session_engines() -> None:
+    """Stops the session's engines once the tests that use them (tests/engine's, one group, run in one
+    process: tests/parallel.py) are done, rather than when the process ends."""
+    while _SESSION_ENGINES:
+        _SESSION_ENGINES.pop().shutdown()
 
 
 def _engine_fixture(env_fixture: str, scope: str = "session"):
-    """An engine built from the named env fixture, shut down when its scope ends."""
+    """An engine built from the named env fixture, shut down when its scope ends (a session's, when
+    tests/engine's last test has run)."""
 
     @pytest.fixture(scope=scope)
     def engine(request):
         built = _build_engine(request.getfixturevalue(env_fixture))
+        if scope == "session":
+            _SESSION_ENGINES.append(built)
         yield built
+        if scope == "session":
+            if built not in _SESSION_ENGINES:
+                return  # stopped already
+            _SESSION_ENGINES.remove(built)
         built.shutdown()
 
     return engine

@@ -48,6 +48,7 @@ from packaging.utils import canonicalize_name
 
 from worker import vllm_adapter
 from worker.vllm_adapter import admission, cli, engine, engine_config, engine_notes, lora, openai_app, raw_jobs
+from worker.vllm_adapter.engine_env import config_hash
 from worker.config.arg_parser import (ENV_ALIASES, FRONTEND_DESTS, REFUSED_ENGINE, RESERVED_ENV, SERVER_ONLY, ZERO_MEANS_UNSET, env_parser,
                         unclassified_frontend_flags)
 from worker.model.baked_args import BAKED_SOURCE_KEYS
@@ -116,8 +117,8 @@ def test_the_engine_calls_the_worker_makes_still_bind():
 def test_the_compile_cache_entry_is_named_by_this_releases_config_hash(models):
     """engine/compile_cache and the CPU build's Inductor entry name a configuration by its hash."""
     vllm_config = load_config(engine_env(models["tiny-llama"])).args.engine_config()
-    digest = engine_config.config_hash(vllm_config)
-    assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == engine_config.config_hash(vllm_config)
+    digest = config_hash(vllm_config)
+    assert re.fullmatch(r"[0-9a-f]{10,}", digest) and digest == config_hash(vllm_config)
 
 
 def test_the_gpu_drivers_out_of_memory_is_out_of_memory():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import io
+from pathlib import Path
 
 import pytest
 from media_server import MediaServer
@@ -60,6 +61,20 @@ def test_a_broken_image_is_a_400(vlm_openai, run_openai):
     (item,) = run_openai(vlm_openai, "/v1/chat/completions",
                          chat(vlm_openai, "data:image/png;base64,bm90IGFuIGltYWdl"))
     assert item["error"]["code"] == 400
+
+
+def test_a_local_file_outside_the_allowed_folder_is_a_400_that_names_no_server_path(vlm_openai, server,
+                                                                                   run_openai, vlm_env):
+    """vLLM's own answer quotes the server's allowed folder; the worker's shows it as <path>."""
+    body = chat(vlm_openai, "file:///etc/hostname")
+    (item,) = run_openai(vlm_openai, "/v1/chat/completions", body)
+    theirs = server.post("/v1/chat/completions", json=body)
+    folder = str(Path(vlm_env["ALLOWED_LOCAL_MEDIA_PATH"]).resolve())  # as vLLM quotes it
+    assert theirs.status_code == 400 and folder in theirs.json()["error"]["message"]
+    error = item["error"]
+    assert error["code"] == 400 and folder not in error["message"] and "/etc/hostname" not in error["message"]
+    assert error["message"] == theirs.json()["error"]["message"].replace(folder, "<path>").replace(
+        "/etc/hostname", "<path>")
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,6 @@ def test_the_documented_layout_is_the_folder_and_each_packages_docstring():
     for name, folder in packages.items():
         doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text()))
         modules = ", ".join(sorted(path.stem for path in folder.glob("*.py") if path.stem != "__init__"))
-        assert rows[name] == f"{doc.removesuffix('.')}: {modules}"
+        assert rows[name] == f"{' '.join(doc.split()).removesuffix('.')}: {modules}"
     top = set(re.findall(r"`src/(\w+\.py)`", layout))
     assert top == {path.name for path in SRC.glob("*.py")}

@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from worker.wire.errors import StartupError
-from worker.wire.redact import answer_text, mask_log_records, mask_streams, mask_urls
+from worker.routes.route_table import Route
+from worker.wire.errors import error_from_exception
+from worker.wire.redact import answer_text, mask_log_records, mask_streams, mask_urls, served_text
 
 MIRROR = "https://mirror-user:s3cret-pw@hub.example:8443"
 
@@ -37,6 +39,29 @@ def test_a_urls_credentials_are_masked_and_nothing_else(text, masked):
 ])
 def test_an_answer_shows_no_local_path_and_no_credentials(text, answered):
     assert answer_text(text) == answered
+
+
+def test_at_run_time_only_this_machines_paths_are_masked(tmp_path):
+    """vLLM's text keeps its routes and what is no folder here; a path under a folder this machine
+    has is masked (vLLM's own media check quotes its allowed folder)."""
+    text = (f"The file path /etc/hostname must be a subpath of `--allowed-local-media-path {tmp_path}`; "
+            f"see /v1/models, from {MIRROR}/org/x")
+    assert served_text(text) == ("The file path <path> must be a subpath of `--allowed-local-media-path <path>`; "
+                                 "see /v1/models, from https://***@hub.example:8443/org/x")
+
+
+def test_vllms_errors_reach_a_caller_without_this_machines_paths(tmp_path):
+    """Both ways vLLM's errors leave the worker: an exception raised (the handler's catch-all) and
+    vLLM's error body from a serving class (its own OpenAI shape, and its bare text)."""
+    missing = FileNotFoundError(2, "No such file or directory", str(tmp_path / "template.jinja"))
+    assert str(tmp_path) not in str(error_from_exception(missing))
+    route = Route("/v1/chat/completions", frozenset({"POST"}))
+    body = {"error": {"message": f"cannot read {tmp_path}/x", "type": "BadRequestError", "param": None,
+                      "code": 400}}
+    for content in (body, {"detail": f"cannot read {tmp_path}/x"}):
+        item = route.error_item(400, content)
+        assert item["error"]["message"] == "cannot read <path>", item
+    assert Route("/v1/messages", frozenset({"POST"})).error_item(400, body)["error"]["message"] == "cannot read <path>"
 
 
 def test_a_startup_errors_answer_is_its_message_and_its_detail_is_the_logs():

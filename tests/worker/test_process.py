@@ -180,21 +180,43 @@ def serve_api(models, log) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def rp_api(models, tmp_path_factory):
+def rp_worker(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("rp-api") / "worker.log"
     proc, url = serve_api(models, log)
-    yield url
+    yield proc, url
     spawned = descendants(proc.pid)
     proc.terminate()
     assert proc.wait(timeout=30) == 0 and not logged_exits(log.read_text())
     wait_for(lambda: not any(alive(pid) for pid in spawned), 10)  # vLLM's processes stopped too
 
 
-def engine_core_of(pid: int) -> int:
-    def cmdline(child: int) -> bytes:
-        with open(f"/proc/{child}/cmdline", "rb") as file:
-            return file.read()
+@pytest.fixture(scope="module")
+def rp_api(rp_worker):
+    return rp_worker[1]
 
+
+def program_at(pid: int) -> str:
+    """Where the process's program is mapped (its first mapping): a forked process's is its
+    parent's, a spawned one is a program started anew, placed elsewhere (address randomization)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return maps.readline().split()[0]
+
+
+def test_on_the_cpu_the_engines_processes_are_forked_not_spawned(rp_worker):
+    """vLLM's CPU platform spawns them, each importing vLLM again (~8 s of a core); the worker
+    forks them, as vLLM does on a GPU. (A user's VLLM_WORKER_MULTIPROC_METHOD=spawn is kept:
+    test_vllms_engine_processes_send_no_usage_statistics_by_default finds its spawned process.)"""
+    proc, _ = rp_worker
+    engine = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::")]  # core, CPU worker
+    assert len(engine) == 2 and {program_at(pid) for pid in engine} == {program_at(proc.pid)}
+
+
+def cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as file:
+        return file.read()
+
+
+def engine_core_of(pid: int) -> int:
     (core,) = [child for child in descendants(pid) if cmdline(child).startswith(b"VLLM::EngineCore")]
     return core
 

@@ -30,6 +30,7 @@ from starlette.routing import compile_path
 
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, RequestError, error_response
+from worker.wire.redact import served_text
 
 __all__ = ["DENIED", "REVIEWED", "WORKER_LOCAL", "Route", "RouteTable", "unclassified_routes"]
 
@@ -119,18 +120,17 @@ class Route:
 
         Anthropic routes always answer Anthropic's error object: vLLM itself does so for serving
         errors but answers request-validation errors in OpenAI's shape. A 404 of a route that
-        depends on one worker's memory says so.
+        depends on one worker's memory says so. This machine's paths in vLLM's text are masked.
         """
         error = content.get("error") if isinstance(content, dict) else None
         if isinstance(error, str):  # e.g. vLLM's {"error": "Unauthorized"}
             error = {"message": error}
-        message = (error.get("message") if isinstance(error, dict) else None) or str(
-            content.get("detail") if isinstance(content, dict) else content)
+        message = served_text((error.get("message") if isinstance(error, dict) else None) or str(
+            content.get("detail") if isinstance(content, dict) else content))
         if status == HTTPStatus.NOT_FOUND and (note := WORKER_LOCAL.get(self.path)):
             message = f"{message} ({note})"
-            if isinstance(error, dict):
-                error = {**error, "message": message}
-                content = {**content, "error": error}
+        if isinstance(error, dict):
+            content = {**content, "error": {**error, "message": message}}
         if isinstance(error, dict) and "type" in error and not self.anthropic:
             return ErrorPayload(content)  # vLLM's own error body, as it is
         return error_response(status, message, anthropic=self.anthropic)

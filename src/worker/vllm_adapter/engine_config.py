@@ -22,13 +22,9 @@ from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-try:  # vLLM 0.34 hashes a configuration's compile factors; VllmConfig.compute_hash is gone
-    from vllm.config.utils import hash_config as config_hash
-except ImportError:  # vLLM 0.32, 0.33
-    def config_hash(vllm_config: VllmConfig) -> str:
-        return vllm_config.compute_hash()
+from worker.vllm_adapter.engine_env import start_method, users_start_method
 
-__all__ = ["AsyncEngineArgs", "config_hash", "create_engine_config", "engine_config_message",
+__all__ = ["AsyncEngineArgs", "create_engine_config", "engine_config_message",
            "MemoryEstimate", "memory_estimate", "memory_utilization", "refused_variable",
            "unsupported_architectures", "visible_gpu_count", "vllm_env_names",
            "VLLM_RESOLVES_MEMORY_UTILIZATION", "VLLM_VERSION", "VllmConfig"]
@@ -42,10 +38,14 @@ def visible_gpu_count() -> int:
 
 
 def create_engine_config(engine_args: AsyncEngineArgs) -> VllmConfig:
-    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults).
+    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults), its engine
+    processes forked on the CPU too (``engine_env.start_method``).
 
     Mutates ``engine_args``, as vLLM does."""
-    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    users = users_start_method()
+    vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
+    start_method(users)
+    return vllm_config
 
 
 # vLLM 0.34 leaves gpu_memory_utilization unset (None) unless given, and resolves it by how it sizes

@@ -1,8 +1,8 @@
 """The environment vLLM's engine processes start with, which they inherit from the worker's: usage
-statistics off unless the operator turns them on, and on the CPU build Inductor's compiled kernels
-(and its precompiled headers) kept in an entry of vLLM's cache root; a variable changed later read
-again (``reread_envs``); and what the worker reads of that cache (its root, its entries' folders,
-whether an engine compiles at all)."""
+statistics off unless the operator turns them on; on the CPU, the processes forked (vLLM spawns
+them) and Inductor's compiled kernels (and its precompiled headers) kept in an entry of vLLM's cache
+root; a variable changed later read again (``reread_envs``); and what the worker reads of that cache
+(its root, its entries' folders, whether an engine compiles at all)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,15 @@ from vllm.config import CompilationMode, VllmConfig
 from vllm.platforms import current_platform
 
 from worker.env_text import env_value, parse_bool
-from worker.vllm_adapter.engine_config import config_hash
 
-__all__ = ["CACHE_ENTRY_DIRS", "cache_root", "compiles", "engine_process_env", "reread_envs"]
+try:  # vLLM 0.34 hashes a configuration's compile factors; VllmConfig.compute_hash is gone
+    from vllm.config.utils import hash_config as config_hash
+except ImportError:  # vLLM 0.32, 0.33
+    def config_hash(vllm_config: VllmConfig) -> str:
+        return vllm_config.compute_hash()
+
+__all__ = ["CACHE_ENTRY_DIRS", "cache_root", "compiles", "config_hash", "engine_process_env", "reread_envs",
+           "start_method", "users_start_method"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +78,31 @@ def _no_usage_stats() -> None:
         _SET_HERE[USAGE_STATS_ENV] = setting
         log.info("vLLM's usage statistics: %s", "not sent (VLLM_NO_USAGE_STATS=1)" if setting == "1" else
                  "sent by vLLM unless DO_NOT_TRACK=1 (VLLM_NO_USAGE_STATS=0)")
+
+
+# vLLM starts its engine core's and its workers' processes by this method. Its CPU platform sets
+# "spawn" while it builds a configuration, so that each process imports vLLM again: 8 s of a core
+# each, two per start. The worker forks them on the CPU, as vLLM does on a GPU: its own process
+# never runs the model, so no OpenMP thread pool is copied into them. The user's value is kept.
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+
+
+def users_start_method() -> str | None:
+    """The user's VLLM_WORKER_MULTIPROC_METHOD, read before vLLM's CPU platform writes its own."""
+    value = env_value(START_METHOD_ENV, os.environ)
+    return None if value == _SET_HERE.get(START_METHOD_ENV) else value
+
+
+def start_method(users: str | None) -> None:
+    """Sets the engine processes' start method once vLLM's CPU platform has set "spawn": the
+    user's, else (on the CPU) "fork"."""
+    if users is not None:
+        os.environ[START_METHOD_ENV] = users
+    elif current_platform.is_cpu():
+        os.environ[START_METHOD_ENV] = _SET_HERE[START_METHOD_ENV] = "fork"
+    else:
+        return
+    reread_envs()
 
 
 def reread_envs() -> None:

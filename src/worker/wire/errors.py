@@ -27,7 +27,7 @@ import json
 from http import HTTPStatus
 
 from worker.wire.dialects import anthropic_type, openai_type
-from worker.wire.redact import answer_text
+from worker.wire.redact import answer_text, served_text
 
 
 class WorkerError(Exception):
@@ -127,9 +127,13 @@ def error_response(status: int, message: str, *, param: str | None = None,
 
 def error_from_exception(exc: BaseException, status: HTTPStatus = HTTPStatus.INTERNAL_SERVER_ERROR, *,
                          anthropic: bool = False) -> ErrorPayload:
-    """Map any exception to the payload, keeping its real message and parameter; ``status`` is
-    what the exception means (a ``RequestError`` carries its own)."""
+    """Map any exception to the payload, keeping its message (another's than the worker's with this
+    machine's paths masked, ``served_text``) and parameter; ``status`` is what the exception means
+    (a ``RequestError`` carries its own)."""
     if isinstance(exc, RequestError):
         status = exc.status
     param = getattr(exc, "param", None) or getattr(exc, "parameter", None)
-    return error_response(status, str(exc) or type(exc).__name__, param=param, anthropic=anthropic)
+    message = str(exc) or type(exc).__name__
+    if not isinstance(exc, WorkerError):
+        message = served_text(message)
+    return error_response(status, message, param=param, anthropic=anthropic)

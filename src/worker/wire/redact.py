@@ -8,17 +8,20 @@ applied where all of them pass: each log record as it is made (``mask_log_record
 its traceback, in this process and in the processes it forks), and what the process writes to its
 standard streams (``mask_streams``: a child's traceback that ``multiprocessing`` prints itself). An
 answer to a caller goes through ``answer_text``, which also shows a local path as ``<path>``: the
-log has it.
+log has it. vLLM's errors at run time go through ``served_text``, which shows as ``<path>`` only the
+paths that are this machine's (their first folder exists here): a route such as ``/v1/models`` in
+vLLM's text is kept.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 from typing import TextIO
 
-__all__ = ["PATH_SHOWN", "answer_text", "mask_log_records", "mask_streams", "mask_urls"]
+__all__ = ["PATH_SHOWN", "answer_text", "mask_log_records", "mask_streams", "mask_urls", "served_text"]
 
 MASK = "***"
 PATH_SHOWN = "<path>"  # a local path, in an answer
@@ -41,6 +44,19 @@ def mask_urls(text: str) -> str:
 def answer_text(text: str) -> str:
     """``text`` as a caller may see it: URL credentials masked, local paths shown as ``<path>``."""
     return _PATH.sub(PATH_SHOWN, mask_urls(text))
+
+
+def _shown_unless_local(match: re.Match) -> str:
+    path = match.group(0)
+    top = path.split("/")[1] if path.startswith("/") else ""
+    return PATH_SHOWN if top and os.path.isdir("/" + top) else path
+
+
+def served_text(text: str) -> str:
+    """vLLM's error ``text`` as a caller may see it: URL credentials masked, and each absolute path
+    whose first folder exists on this machine shown as ``<path>`` (vLLM quotes its flags' folders,
+    ``--allowed-local-media-path /models``, and files it failed to read)."""
+    return _PATH.sub(_shown_unless_local, mask_urls(text))
 
 
 def _masked(record: logging.LogRecord) -> logging.LogRecord:
