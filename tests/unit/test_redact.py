@@ -13,6 +13,7 @@ import pytest
 from worker.wire.errors import StartupError
 from worker.routes.route_table import Route
 from worker.wire.errors import error_from_exception
+from worker.wire import redact
 from worker.wire.redact import answer_text, mask_log_records, mask_streams, mask_urls, served_text
 
 MIRROR = "https://mirror-user:s3cret-pw@hub.example:8443"
@@ -48,6 +49,15 @@ def test_at_run_time_only_this_machines_paths_are_masked(tmp_path):
             f"see /v1/models, from {MIRROR}/org/x")
     assert served_text(text) == ("The file path <path> must be a subpath of `--allowed-local-media-path <path>`; "
                                  "see /v1/models, from https://***@hub.example:8443/org/x")
+
+
+def test_a_model_served_as_its_folders_path_is_named_as_it_is(tmp_path, monkeypatch):
+    """A caller must send that name: vLLM's "Valid aliases" list it, /v1/models shows it."""
+    monkeypatch.setattr(redact, "_AS_IS", set())
+    redact.show_as_is([f"{tmp_path}/model/"])
+    assert served_text(f"The model `x` does not exist. Valid aliases: {tmp_path}/model.") == (
+        f"The model `x` does not exist. Valid aliases: {tmp_path}/model.")
+    assert served_text(f"{tmp_path}/model/config.json") == "<path>"
 
 
 def test_vllms_errors_reach_a_caller_without_this_machines_paths(tmp_path):

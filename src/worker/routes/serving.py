@@ -43,6 +43,7 @@ from worker.vllm_adapter.openai_app import build_openai_app
 from worker.wire.body_envelope import Envelope, is_json
 from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, error_response
+from worker.wire.redact import show_as_is
 from worker.wire.sse import EventSplitter, data_json
 
 if TYPE_CHECKING:
@@ -125,6 +126,7 @@ class OpenAIvLLMEngine(FromParts):
         self.engine, self.app, self.routes = vllm_engine, app, routes
         self.settings = settings or vllm_engine.settings
         self.namespace = _serving_namespace(vllm_engine, namespace, self.settings)
+        show_as_is(self.namespace.served_model_name or [self.namespace.model])  # callers name the model so
 
     @property
     def served_model_name(self) -> str:

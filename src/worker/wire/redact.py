@@ -9,8 +9,8 @@ its traceback, in this process and in the processes it forks), and what the proc
 standard streams (``mask_streams``: a child's traceback that ``multiprocessing`` prints itself). An
 answer to a caller goes through ``answer_text``, which also shows a local path as ``<path>``: the
 log has it. vLLM's errors at run time go through ``served_text``, which shows as ``<path>`` only the
-paths that are this machine's (their first folder exists here): a route such as ``/v1/models`` in
-vLLM's text is kept.
+paths that are this machine's (their first folder exists here) but for the served models' names: a
+route such as ``/v1/models`` in vLLM's text is kept, and so is a model served as its folder's path.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import re
 import sys
 from typing import TextIO
 
-__all__ = ["PATH_SHOWN", "answer_text", "mask_log_records", "mask_streams", "mask_urls", "served_text"]
+__all__ = ["PATH_SHOWN", "answer_text", "mask_log_records", "mask_streams", "mask_urls", "served_text",
+           "show_as_is"]
 
 MASK = "***"
 PATH_SHOWN = "<path>"  # a local path, in an answer
@@ -46,10 +47,20 @@ def answer_text(text: str) -> str:
     return _PATH.sub(PATH_SHOWN, mask_urls(text))
 
 
+_AS_IS: set[str] = set()  # the served models' names: a folder's path when no other name is given
+
+
+def show_as_is(names) -> None:
+    """Keeps ``names`` in ``served_text``: the names a model is served as (``/v1/models`` lists them,
+    vLLM's "Valid aliases" name them), a folder's path when the model is served from one."""
+    _AS_IS.update(name.rstrip("/") for name in names if name)
+
+
 def _shown_unless_local(match: re.Match) -> str:
     path = match.group(0)
     top = path.split("/")[1] if path.startswith("/") else ""
-    return PATH_SHOWN if top and os.path.isdir("/" + top) else path
+    local = top and os.path.isdir("/" + top) and path.rstrip("/") not in _AS_IS
+    return PATH_SHOWN if local else path
 
 
 def served_text(text: str) -> str:
