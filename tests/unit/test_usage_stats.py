@@ -35,18 +35,14 @@ def test_usage_statistics_are_sent_only_when_the_operator_says_so(value, setting
 
 @pytest.mark.parametrize("users", [None, "spawn", "fork"])
 def test_on_the_cpu_engine_processes_are_forked_unless_the_user_chose(users, monkeypatch):
-    """Each configuration vLLM builds sets "spawn" (its CPU platform); the start method is set again
-    after it, start after start: the user's, else "fork". A real worker: tests/worker/test_process.py."""
+    """vLLM's CPU platform writes "spawn" with every configuration it builds; the method is set again
+    as the engine processes start, start after start: the user's, else "fork". A real worker:
+    tests/worker/test_process.py."""
     from worker.vllm_adapter import engine_env
 
     name = engine_env.START_METHOD_ENV
-    monkeypatch.setitem(engine_env._SET_HERE, name, "")
-    if users is None:
-        monkeypatch.delenv(name, raising=False)
-    else:
-        monkeypatch.setenv(name, users)
+    monkeypatch.setattr(engine_env, "_USERS_START_METHOD", users)
     for _ in range(2):
-        chosen = engine_env.users_start_method()
-        os.environ[name] = "spawn"  # as vLLM's CPU platform writes it
-        engine_env.start_method(chosen)
+        monkeypatch.setenv(name, "spawn")  # as vLLM's CPU platform writes it
+        engine_env._start_method()
         assert os.environ[name] == (users or "fork")

@@ -162,11 +162,11 @@ def serve_api(models, log) -> tuple[subprocess.Popen, str]:
     """The worker on tiny-llama under runpod's local API server, and the server's URL."""
     # Port 0: uvicorn binds a free port only once the engine has started (~20 s), and logs it; a
     # port picked here could be taken by then (by vLLM's own free-port probe, among others).
+    env = worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info")
+    del env["VLLM_WORKER_MULTIPROC_METHOD"]  # the worker's own choice (cpu-dev.env makes it for tests)
     with log.open("w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, HANDLER, *RP_API_ARGS],
-            env=worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info"),
-            stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, HANDLER, *RP_API_ARGS], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT)
     launched = time.monotonic()
     deadline = launched + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -270,7 +270,7 @@ def test_vllms_engine_processes_send_no_usage_statistics_by_default(models, tmp_
     """vLLM reports usage from its engine's first GPU worker, in the engine's process, unless
     VLLM_NO_USAGE_STATS=1 there (or DO_NOT_TRACK); the operator set none of them. A spawned process's
     environment is readable in /proc as it started (a forked one's is its parent's at exec)."""
-    env = worker_env(**engine_env(models["tiny-llama"]), VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    env = worker_env(**{**engine_env(models["tiny-llama"]), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK"):
         env.pop(name, None)
     log = tmp_path / "worker.log"

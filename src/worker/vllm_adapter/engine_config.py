@@ -22,8 +22,6 @@ from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
-from worker.vllm_adapter.engine_env import start_method, users_start_method
-
 __all__ = ["AsyncEngineArgs", "create_engine_config", "engine_config_message",
            "MemoryEstimate", "memory_estimate", "memory_utilization", "refused_variable",
            "unsupported_architectures", "visible_gpu_count", "vllm_env_names",
@@ -38,14 +36,10 @@ def visible_gpu_count() -> int:
 
 
 def create_engine_config(engine_args: AsyncEngineArgs) -> VllmConfig:
-    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults), its engine
-    processes forked on the CPU too (``engine_env.start_method``).
+    """The engine's configuration, as `vllm serve` creates it (its scheduling defaults).
 
     Mutates ``engine_args``, as vLLM does."""
-    users = users_start_method()
-    vllm_config = engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
-    start_method(users)
-    return vllm_config
+    return engine_args.create_engine_config(UsageContext.OPENAI_API_SERVER)
 
 
 # vLLM 0.34 leaves gpu_memory_utilization unset (None) unless given, and resolves it by how it sizes

@@ -24,8 +24,7 @@ except ImportError:  # vLLM 0.32, 0.33
     def config_hash(vllm_config: VllmConfig) -> str:
         return vllm_config.compute_hash()
 
-__all__ = ["CACHE_ENTRY_DIRS", "cache_root", "compiles", "config_hash", "engine_process_env", "reread_envs",
-           "start_method", "users_start_method"]
+__all__ = ["CACHE_ENTRY_DIRS", "cache_root", "compiles", "config_hash", "engine_process_env", "reread_envs"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,7 @@ def engine_process_env(vllm_config: VllmConfig) -> None:
     """The environment vLLM's engine processes start with, which they inherit from this one: the
     worker's choices, each unless the user made their own. The one place the worker sets it."""
     _no_usage_stats()
+    _start_method()
     _cpu_compile_cache(vllm_config)
 
 
@@ -80,29 +80,22 @@ def _no_usage_stats() -> None:
                  "sent by vLLM unless DO_NOT_TRACK=1 (VLLM_NO_USAGE_STATS=0)")
 
 
-# vLLM starts its engine core's and its workers' processes by this method. Its CPU platform sets
-# "spawn" while it builds a configuration, so that each process imports vLLM again: 8 s of a core
-# each, two per start. The worker forks them on the CPU, as vLLM does on a GPU: its own process
-# never runs the model, so no OpenMP thread pool is copied into them. The user's value is kept.
+# vLLM starts its engine core's and its workers' processes by this method. Its CPU platform writes
+# "spawn" whenever it builds a configuration (a default one too), so that each process imports vLLM
+# again: 8 s of a core each, two per start. The worker forks them on the CPU, as vLLM does on a GPU:
+# its own process never runs the model, so no OpenMP thread pool is copied into them. The user's
+# value, read before any configuration is built (importing this module builds none), is kept.
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+_USERS_START_METHOD = env_value(START_METHOD_ENV, os.environ)
 
 
-def users_start_method() -> str | None:
-    """The user's VLLM_WORKER_MULTIPROC_METHOD, read before vLLM's CPU platform writes its own."""
-    value = env_value(START_METHOD_ENV, os.environ)
-    return None if value == _SET_HERE.get(START_METHOD_ENV) else value
-
-
-def start_method(users: str | None) -> None:
-    """Sets the engine processes' start method once vLLM's CPU platform has set "spawn": the
-    user's, else (on the CPU) "fork"."""
-    if users is not None:
-        os.environ[START_METHOD_ENV] = users
-    elif current_platform.is_cpu():
-        os.environ[START_METHOD_ENV] = _SET_HERE[START_METHOD_ENV] = "fork"
-    else:
-        return
-    reread_envs()
+def _start_method() -> None:
+    """The engine processes' start method, set just before they start: the user's, else on the CPU
+    "fork"."""
+    chosen = _USERS_START_METHOD or ("fork" if current_platform.is_cpu() else None)
+    if chosen and os.environ.get(START_METHOD_ENV) != chosen:
+        os.environ[START_METHOD_ENV] = chosen
+        reread_envs()
 
 
 def reread_envs() -> None:

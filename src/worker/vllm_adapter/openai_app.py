@@ -8,6 +8,7 @@ import argparse
 import importlib
 import logging
 import os
+import types
 
 from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 from vllm.utils.gc_utils import freeze_gc_heap
@@ -52,6 +53,9 @@ async def build_openai_app(engine: AsyncLLM, namespace: argparse.Namespace, adap
     app.user_middleware = [m for m in app.user_middleware if m.cls is not AuthenticationMiddleware]
     app.middleware_stack = app.build_middleware_stack()
     await state_module.init_app_state(engine, app.state, namespace, supported_tasks)
+    # vLLM's handler of an engine's error asks uvicorn's server to exit if the engine died; no uvicorn
+    # serves this app (the worker notices a dead engine itself), so the request gets its own error.
+    app.state.server = types.SimpleNamespace(should_exit=False)
     if models := getattr(app.state, "openai_serving_models", None):
         if adapters is not None:
             serve_adapters(models, adapters.resolve, adapters.loaded, adapters.available)
