@@ -185,8 +185,9 @@ def whisper_env(models) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def vlm_env(models) -> dict[str, str]:
     """Idefics3 (SmolVLM's architecture): chat with images as base64 data URLs; local files from the
-    model's folder (a flag whose folder vLLM quotes in its errors)."""
-    return engine_env(models["tiny-vlm"], ALLOWED_LOCAL_MEDIA_PATH=str(models["tiny-vlm"]))
+    models' folder (a flag whose folder vLLM quotes in its errors; not the model's, whose path is
+    the name it is served as)."""
+    return engine_env(models["tiny-vlm"], ALLOWED_LOCAL_MEDIA_PATH=str(models["tiny-vlm"].parent))
 
 
 _SESSION_ENGINES: list = []  # session-scoped engines still running
