@@ -29,7 +29,6 @@ engine itself is dead: then the worker exits with status 1 and RunPod replaces i
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import os
 import signal
@@ -175,22 +174,6 @@ def _concurrency(settings: WorkerSettings, jobs: Concurrency, resizes_busy: bool
     return concurrency
 
 
-# Imported beside the engine's start (main()): the runpod SDK (about 1.5 s) and our serving modules.
-SERVING_MODULES = ("runpod", "worker.scheduling.job_loop", "worker.routes.serving")
-
-
-def _import_serving() -> None:
-    """Imports what only serving needs; a failure is raised again where main() imports it for use."""
-    from worker.vllm_adapter.openai_app import import_app_modules
-
-    try:
-        for name in SERVING_MODULES:
-            importlib.import_module(name)
-        import_app_modules()
-    except Exception:  # noqa: BLE001, S110 - main() imports these again and reports the error
-        return
-
-
 def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEngine, Concurrency]:
     """The engine, and the concurrency controller its scheduler feeds (how many jobs to hold), whose
     KV budget the engine's admission gate keeps (which requests vLLM runs)."""
@@ -220,6 +203,7 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog,
     sets the engines."""
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
+    from worker.startup import serving_imports
     from worker.startup.steps import fetch_model
     from worker.startup.steps import start_engine as start_with_retry
 
@@ -240,7 +224,7 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog,
     phase("cache")
     # What only serving needs is imported while vLLM's processes start (not at the top:
     # vLLM's spawned processes re-import this file).
-    threading.Thread(target=_import_serving, name="serving-imports", daemon=True).start()
+    serving_imports.start()
     vllm_engine, jobs = start_with_retry(config, lambda cfg: start_engine(cfg, warm_up=False))
     phase("engine")
     watchdog.enter("warm-up")

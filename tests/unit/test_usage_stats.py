@@ -1,6 +1,6 @@
-"""vLLM's usage statistics are off unless the operator turns them on (``vllm_adapter/engine_env._no_usage_stats``,
-set where the worker sets its engine processes' environment), read as vLLM reads them. A real worker's
-engine process: tests/worker/test_process.py."""
+"""What the worker sets in its engine processes' environment (``vllm_adapter/engine_env``): vLLM's
+usage statistics off unless the operator turns them on, read as vLLM reads them; on the CPU, the
+processes forked unless the user chose. A real worker's engine process: tests/worker/test_process.py."""
 
 from __future__ import annotations
 
@@ -32,3 +32,17 @@ def test_usage_statistics_are_sent_only_when_the_operator_says_so(value, setting
     assert os.environ[USAGE] == setting
     assert vllm.envs.VLLM_NO_USAGE_STATS is not sent and not vllm.envs.VLLM_DO_NOT_TRACK
 
+
+@pytest.mark.parametrize("users", [None, "spawn", "fork"])
+def test_on_the_cpu_engine_processes_are_forked_unless_the_user_chose(users, monkeypatch):
+    """vLLM's CPU platform writes "spawn" with every configuration it builds; the method is set again
+    as the engine processes start, start after start: the user's, else "fork". A real worker:
+    tests/worker/test_process.py."""
+    from worker.vllm_adapter import engine_env
+
+    name = engine_env.START_METHOD_ENV
+    monkeypatch.setattr(engine_env, "_USERS_START_METHOD", users)
+    for _ in range(2):
+        monkeypatch.setenv(name, "spawn")  # as vLLM's CPU platform writes it
+        engine_env._start_method()
+        assert os.environ[name] == (users or "fork")

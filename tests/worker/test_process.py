@@ -162,11 +162,11 @@ def serve_api(models, log) -> tuple[subprocess.Popen, str]:
     """The worker on tiny-llama under runpod's local API server, and the server's URL."""
     # Port 0: uvicorn binds a free port only once the engine has started (~20 s), and logs it; a
     # port picked here could be taken by then (by vLLM's own free-port probe, among others).
+    env = worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info")
+    del env["VLLM_WORKER_MULTIPROC_METHOD"]  # the worker's own choice (cpu-dev.env makes it for tests)
     with log.open("w") as sink:
-        proc = subprocess.Popen(
-            [sys.executable, HANDLER, *RP_API_ARGS],
-            env=worker_env(**engine_env(models["tiny-llama"]), UVICORN_LOG_LEVEL="info"),
-            stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, HANDLER, *RP_API_ARGS], env=env, stdout=sink,
+                                stderr=subprocess.STDOUT)
     launched = time.monotonic()
     deadline = launched + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -180,21 +180,43 @@ def serve_api(models, log) -> tuple[subprocess.Popen, str]:
 
 
 @pytest.fixture(scope="module")
-def rp_api(models, tmp_path_factory):
+def rp_worker(models, tmp_path_factory):
     log = tmp_path_factory.mktemp("rp-api") / "worker.log"
     proc, url = serve_api(models, log)
-    yield url
+    yield proc, url
     spawned = descendants(proc.pid)
     proc.terminate()
     assert proc.wait(timeout=30) == 0 and not logged_exits(log.read_text())
     wait_for(lambda: not any(alive(pid) for pid in spawned), 10)  # vLLM's processes stopped too
 
 
-def engine_core_of(pid: int) -> int:
-    def cmdline(child: int) -> bytes:
-        with open(f"/proc/{child}/cmdline", "rb") as file:
-            return file.read()
+@pytest.fixture(scope="module")
+def rp_api(rp_worker):
+    return rp_worker[1]
 
+
+def program_at(pid: int) -> str:
+    """Where the process's program is mapped (its first mapping): a forked process's is its
+    parent's, a spawned one is a program started anew, placed elsewhere (address randomization)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return maps.readline().split()[0]
+
+
+def test_on_the_cpu_the_engines_processes_are_forked_not_spawned(rp_worker):
+    """vLLM's CPU platform spawns them, each importing vLLM again (~8 s of a core); the worker
+    forks them, as vLLM does on a GPU. (A user's VLLM_WORKER_MULTIPROC_METHOD=spawn is kept:
+    test_vllms_engine_processes_send_no_usage_statistics_by_default finds its spawned process.)"""
+    proc, _ = rp_worker
+    engine = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::")]  # core, CPU worker
+    assert len(engine) == 2 and {program_at(pid) for pid in engine} == {program_at(proc.pid)}
+
+
+def cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as file:
+        return file.read()
+
+
+def engine_core_of(pid: int) -> int:
     (core,) = [child for child in descendants(pid) if cmdline(child).startswith(b"VLLM::EngineCore")]
     return core
 
@@ -248,7 +270,7 @@ def test_vllms_engine_processes_send_no_usage_statistics_by_default(models, tmp_
     """vLLM reports usage from its engine's first GPU worker, in the engine's process, unless
     VLLM_NO_USAGE_STATS=1 there (or DO_NOT_TRACK); the operator set none of them. A spawned process's
     environment is readable in /proc as it started (a forked one's is its parent's at exec)."""
-    env = worker_env(**engine_env(models["tiny-llama"]), VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    env = worker_env(**{**engine_env(models["tiny-llama"]), "VLLM_WORKER_MULTIPROC_METHOD": "spawn"})
     for name in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK"):
         env.pop(name, None)
     log = tmp_path / "worker.log"

@@ -1,1 +1,2 @@
-"""Start-up: its steps, RunPod's fitness checks, retries and time bound, and answers after a failed start."""
+"""Start-up: its steps, the serving modules imported beside the engine's start, RunPod's fitness checks,
+retries and time bound, and answers after a failed start."""

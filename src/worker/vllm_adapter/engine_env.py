@@ -1,8 +1,8 @@
 """The environment vLLM's engine processes start with, which they inherit from the worker's: usage
-statistics off unless the operator turns them on, and on the CPU build Inductor's compiled kernels
-(and its precompiled headers) kept in an entry of vLLM's cache root; a variable changed later read
-again (``reread_envs``); and what the worker reads of that cache (its root, its entries' folders,
-whether an engine compiles at all)."""
+statistics off unless the operator turns them on; on the CPU, the processes forked (vLLM spawns
+them) and Inductor's compiled kernels (and its precompiled headers) kept in an entry of vLLM's cache
+root; a variable changed later read again (``reread_envs``); and what the worker reads of that cache
+(its root, its entries' folders, whether an engine compiles at all)."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def engine_process_env(vllm_config: VllmConfig) -> None:
     """The environment vLLM's engine processes start with, which they inherit from this one: the
     worker's choices, each unless the user made their own. The one place the worker sets it."""
     _no_usage_stats()
+    _start_method()
     _cpu_compile_cache(vllm_config)
 
 
@@ -77,6 +78,24 @@ def _no_usage_stats() -> None:
         _SET_HERE[USAGE_STATS_ENV] = setting
         log.info("vLLM's usage statistics: %s", "not sent (VLLM_NO_USAGE_STATS=1)" if setting == "1" else
                  "sent by vLLM unless DO_NOT_TRACK=1 (VLLM_NO_USAGE_STATS=0)")
+
+
+# vLLM starts its engine core's and its workers' processes by this method. Its CPU platform writes
+# "spawn" whenever it builds a configuration (a default one too), so that each process imports vLLM
+# again: 8 s of a core each, two per start. The worker forks them on the CPU, as vLLM does on a GPU:
+# its own process never runs the model, so no OpenMP thread pool is copied into them. The user's
+# value, read before any configuration is built (importing this module builds none), is kept.
+START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
+_USERS_START_METHOD = env_value(START_METHOD_ENV, os.environ)
+
+
+def _start_method() -> None:
+    """The engine processes' start method, set just before they start: the user's, else on the CPU
+    "fork"."""
+    chosen = _USERS_START_METHOD or ("fork" if current_platform.is_cpu() else None)
+    if chosen and os.environ.get(START_METHOD_ENV) != chosen:
+        os.environ[START_METHOD_ENV] = chosen
+        reread_envs()
 
 
 def reread_envs() -> None:
