@@ -30,7 +30,6 @@ from bench import (adaptive_concurrency, cold_start, common, handler_overhead, i
 from bench.common import PARTS
 
 
-
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, short streams")
@@ -47,66 +46,68 @@ def _parse() -> argparse.Namespace:
     return args
 
 
+# Each part's steps, in the order they run: (part, its progress line, its run). The stub's first;
+# then, for each of ``plan.models``, those that take the model ({model}); then those on
+# ``plan.latency_model`` ({model} too).
+FIRST = (("stub", "item 4, worker cost per token (stub, no model)", stub_cost.run),)
+PER_MODEL = (
+    ("engine", "item 1, handler() ÷ AsyncLLM.generate on {model}", handler_overhead.run),
+    ("openai", "items 2, 3, 5, worker ÷ vllm serve, first request, start-up on {model}", openai_path.run),
+)
+ON_LATENCY_MODEL = (
+    ("latency", "items 7, 8, 9, job slots and where a job's first byte waits (stub worker)",
+     job_start.run_stub),
+    ("latency", "items 6, 9, job path ÷ vllm serve (vllm bench), first byte on {model}",
+     job_start.run_model),
+    ("concurrency", "items 13-16, adaptive concurrency beside vllm serve on {model}, two workers, a small KV "
+                    "cache, the controller's cost", adaptive_concurrency.run),
+    ("kv", f"item 20, under KV pressure beside vllm serve on {{model}}, 0 and "
+           f"{kv_pressure.TAKE_DELAY * 1000:.0f} ms job take", kv_pressure.run),
+    ("lora", f"item 21, {lora_adapters.ADAPTERS} LoRA adapters by name beside vllm serve on {{model}}, "
+             "their first use", lora_adapters.run),
+    ("lb", "item 22, the load balancer beside vllm serve, queue mode and its worker alone (vllm bench) on "
+           "{model}", load_balancer.run),
+    ("start", "items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {model}",
+     cold_start.run),
+    ("image", "items 17, 18, 19, the CPU image: build, layers, start-up beside the checkout on {model}",
+     image_build.run),
+    ("cache", "item 23, a start from RunPod's model cache beside a network-volume copy on {model}",
+     model_cache.run),
+)
+
+
 def _progress(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
 
+def _run(steps: tuple, parts: list[str], model: str | None, *args: object) -> None:
+    """The ``steps`` of ``parts``, each with ``args``, its progress line naming ``model``."""
+    for part, line, run in steps:
+        if part in parts:
+            _progress(line.format(model=model))
+            run(*args)
+
+
+def _plan(args: argparse.Namespace) -> common.Plan:
+    """The plan, with the options given in place of its own."""
+    plan = common.QUICK if args.quick else common.Plan()
+    given = {"models": args.models and tuple(args.models.split(",")), "dtype": args.dtype,
+             "concurrency": args.concurrency and tuple(int(n) for n in args.concurrency.split(",")),
+             "reps": args.reps}
+    return dataclasses.replace(plan, **{name: value for name, value in given.items() if value})
+
+
 def main() -> None:
     args = _parse()
-    plan = common.QUICK if args.quick else common.Plan()
-    if args.models:
-        plan = dataclasses.replace(plan, models=tuple(args.models.split(",")))
-    if args.dtype:
-        plan = dataclasses.replace(plan, dtype=args.dtype)
-    if args.concurrency:
-        plan = dataclasses.replace(plan, concurrency=tuple(int(n) for n in args.concurrency.split(",")))
-    if args.reps:
-        plan = dataclasses.replace(plan, reps=args.reps)
+    plan = _plan(args)
     parts = args.parts.split(",")
     out = args.out or (Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else common.REPO / "bench")
     results = common.Results(plan)
     started, load_before = time.monotonic(), os.getloadavg()[0]
-    if "stub" in parts:
-        _progress("item 4, worker cost per token (stub, no model)")
-        stub_cost.run(plan, results)
+    _run(FIRST, parts, None, plan, results)
     for model in plan.models:
-        if "engine" in parts:
-            _progress(f"item 1, handler() ÷ AsyncLLM.generate on {model}")
-            handler_overhead.run(model, plan, results)
-        if "openai" in parts:
-            _progress(f"items 2, 3, 5, worker ÷ vllm serve, first request, start-up on {model}")
-            openai_path.run(model, plan, results)
-    if "latency" in parts:
-        _progress("items 7, 8, 9, job slots and where a job's first byte waits (stub worker)")
-        job_start.run_stub(plan, results)
-        _progress(f"items 6, 9, job path ÷ vllm serve (vllm bench), first byte on {plan.latency_model}")
-        job_start.run_model(plan, results)
-    if "concurrency" in parts:
-        _progress(f"items 13-16, adaptive concurrency beside vllm serve on {plan.latency_model}, "
-                  "two workers, a small KV cache, the controller's cost")
-        adaptive_concurrency.run(plan, results)
-    if "kv" in parts:
-        _progress(f"item 20, under KV pressure beside vllm serve on {plan.latency_model}, 0 and "
-                  f"{kv_pressure.TAKE_DELAY * 1000:.0f} ms job take")
-        kv_pressure.run(plan, results)
-    if "lora" in parts:
-        _progress(f"item 21, {lora_adapters.ADAPTERS} LoRA adapters by name beside vllm serve on "
-                  f"{plan.latency_model}, their first use")
-        lora_adapters.run(plan, results)
-    if "lb" in parts:
-        _progress(f"item 22, the load balancer beside vllm serve, queue mode and its worker alone (vllm bench) "
-                  f"on {plan.latency_model}")
-        load_balancer.run(plan, results)
-    if "start" in parts:
-        _progress(f"items 10, 11, 12, start-up beside vllm serve, compile cache, load formats on {plan.latency_model}")
-        cold_start.run(plan, results)
-    if "image" in parts:
-        _progress(f"items 17, 18, 19, the CPU image: build, layers, start-up beside the checkout on "
-                  f"{plan.latency_model}")
-        image_build.run(plan, results)
-    if "cache" in parts:
-        _progress(f"item 23, a start from RunPod's model cache beside a network-volume copy on {plan.latency_model}")
-        model_cache.run(plan, results)
+        _run(PER_MODEL, parts, model, model, plan, results)
+    _run(ON_LATENCY_MODEL, parts, plan.latency_model, plan, results)
     command = "scripts/bench.sh " + " ".join(sys.argv[1:])
     path = report.write(results, out, parts, command.strip(), (time.monotonic() - started) / 60,
                         (load_before, os.getloadavg()[0]))

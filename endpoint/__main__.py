@@ -3,14 +3,12 @@
 Starts the endpoint server on 127.0.0.1, prints the URLs, starts N worker processes (``python
 src/handler.py``, the real ``runpod.serverless.start`` loop, pointed at the server with RunPod's
 ``RUNPOD_WEBHOOK_*`` variables) and says so once every worker has asked for work. As RunPod does,
-it replaces a worker that exits, whatever its status and whenever: the same worker id in a fresh
-working directory, after a back-off (1 s, doubling up to 30 s; back to 1 s once a worker has stayed
-up 60 s). Jobs queue meanwhile; a worker's failure never stops the endpoint. On Ctrl-C or SIGTERM
-it stops the workers with SIGTERM (so the runpod SDK also stops its heartbeat process) and exits.
-The workers inherit this environment: ``MODEL_NAME`` and every other worker setting. They run RunPod's
-start-up fitness checks as on RunPod, their network check dialling a listener of the endpoint's on
-127.0.0.1 (``NETWORK_CHECK_TARGET``; ``--refuse-network-check`` makes it refuse,
-``--no-fitness-checks`` turns the checks off).
+it replaces a worker that exits, whatever its status and whenever (``supervisor.py``). Jobs queue
+meanwhile; a worker's failure never stops the endpoint. On Ctrl-C or SIGTERM it stops the workers
+and exits. The workers inherit this environment: ``MODEL_NAME`` and every other worker setting
+(``worker_env.py``). They run RunPod's start-up fitness checks as on RunPod, their network check
+dialling a listener of the endpoint's on 127.0.0.1 (``NETWORK_CHECK_TARGET``;
+``--refuse-network-check`` makes it refuse, ``--no-fitness-checks`` turns the checks off).
 With ``--image IMAGE`` each worker is that image's own command in a container instead (see
 ``container.py``), which gets only RunPod's variables and those named with ``--env``.
 
@@ -23,18 +21,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 
 import uvloop
@@ -43,87 +34,12 @@ from aiohttp import web
 from worker.env_text import env_value
 
 from .app import EndpointConfig, create_app
-from .balancer import BalancerConfig, Pool, create_balancer_app
+from .balancer import BalancerConfig, create_balancer_app
 from .container import ContainerLauncher
 from .jobs import JobStore
-
-HANDLER = Path(__file__).resolve().parents[1] / "src" / "handler.py"
-STOP_GRACE_SECONDS = 30
-POLL_SECONDS = 0.2  # how often the supervisor looks for workers that exited or called in
-# A worker that exits starts again after 1 s, 2 s, 4 s, ... (each exit in a row doubles the wait) up
-# to 30 s; one that has stayed up 60 s starts the series again.
-BACKOFF_FIRST_SECONDS = 1.0
-BACKOFF_MAX_SECONDS = 30.0
-BACKOFF_RESET_SECONDS = 60.0
-
-
-def worker_ids(count: int) -> list[str]:
-    return [f"local-worker-{i}" for i in range(count)]
-
-
-# The runpod SDK's switches that turn its fitness checks off (--no-fitness-checks).
-SKIP_CHECKS = {"RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true", "RUNPOD_SKIP_GPU_CHECK": "true"}
-
-
-class NetworkCheckTarget:
-    """What the workers' network fitness check dials, on loopback: RunPod's SDK dials a public DNS
-    server, and nothing here may send traffic off this machine. A listener that accepts, or, with
-    ``refuse``, a port bound without listening, which refuses every connection."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.refuse = refuse
-        self.socket = socket.create_server(("127.0.0.1", 0)) if not refuse else socket.socket()
-        if refuse:
-            self.socket.bind(("127.0.0.1", 0))
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> None:
-        if not self.refuse:  # accept, then hang up: a connection is all the check asks for
-            self.server = await asyncio.start_server(lambda _, writer: writer.close(), sock=self.socket)
-
-    def env(self) -> dict[str, str]:
-        return {"NETWORK_CHECK_TARGET": f"127.0.0.1:{self.socket.getsockname()[1]}"}
-
-    def close(self) -> None:
-        if self.server:
-            self.server.close()
-        self.socket.close()
-
-
-def queue_env(base_url: str) -> dict[str, str]:
-    """How a queue-based endpoint's worker gets its jobs: RunPod's job protocol at ``base_url``."""
-    return {
-        "RUNPOD_WEBHOOK_GET_JOB": f"{base_url}/job-take/$ID?gpu=local",
-        "RUNPOD_WEBHOOK_POST_OUTPUT": f"{base_url}/job-done/$RUNPOD_POD_ID/$ID?gpu=local",
-        "RUNPOD_WEBHOOK_POST_STREAM": f"{base_url}/job-stream/$RUNPOD_POD_ID/$ID?gpu=local",
-        "RUNPOD_WEBHOOK_PING": f"{base_url}/ping/$RUNPOD_POD_ID?gpu=local",
-        "RUNPOD_PING_INTERVAL": "5000",
-    }
-
-
-def balancer_env(port: int, health_port: int) -> dict[str, str]:
-    """How a load-balancing endpoint's worker gets its requests: on its own HTTP server."""
-    return {"ENDPOINT_TYPE": "load_balancer", "PORT": str(port), "PORT_HEALTH": str(health_port)}
-
-
-def worker_env(base_url: str, worker_id: str, api_key: str | None,
-               ports: tuple[int, int] | None = None,
-               checks: Mapping[str, str] = SKIP_CHECKS) -> dict[str, str]:
-    """The variables with which RunPod starts a worker: those of its endpoint's queue at ``base_url``
-    or, for a load-balancing worker, the ``ports`` (``PORT``, ``PORT_HEALTH``) it serves on, and
-    ``checks``: how it runs RunPod's fitness checks (``NetworkCheckTarget.env``, or SKIP_CHECKS).
-    The job protocol's variables come from here only: a load-balancing worker has none."""
-    inherited = {k: v for k, v in os.environ.items() if not k.startswith("RUNPOD_WEBHOOK_")}
-    return {
-        **inherited,
-        "RUNPOD_POD_ID": worker_id,
-        **(queue_env(base_url) if ports is None else balancer_env(*ports)),
-        "RUNPOD_AI_API_KEY": api_key or "local",
-        **checks,
-        "PYTHONUNBUFFERED": "1",  # worker logs appear as they happen
-        # The SDK logs every job's input and output at DEBUG, its default.
-        "RUNPOD_DEBUG_LEVEL": env_value("RUNPOD_DEBUG_LEVEL", os.environ) or "INFO",
-    }
+from .pool import Pool
+from .supervisor import HANDLER, Supervisor, worker_ids
+from .worker_env import SKIP_CHECKS, NetworkCheckTarget, balancer_env
 
 
 def snippet(openai_base: str, api_key: str | None) -> str:
@@ -135,153 +51,6 @@ def snippet(openai_base: str, api_key: str | None) -> str:
             f'answer = client.chat.completions.create(model=model, messages=[\n'
             f'    {{"role": "user", "content": "What is the capital of France?"}}])\n'
             f'print(answer.choices[0].message.content)')
-
-
-class Backoff:
-    """The waits before one worker's restarts."""
-
-    def __init__(self) -> None:
-        self.exits = 0  # in a row, each before the worker had stayed up long enough
-
-    def after_exit(self, up: float) -> float:
-        """Seconds to wait after an exit ``up`` seconds after the start."""
-        self.exits = 1 if up >= BACKOFF_RESET_SECONDS else self.exits + 1
-        return min(BACKOFF_MAX_SECONDS, BACKOFF_FIRST_SECONDS * 2 ** min(self.exits - 1, 30))
-
-
-def _reap(proc: subprocess.Popen, workdir: str) -> None:
-    """Kill whatever is left in an exited worker's process group, then remove its working directory
-    (again while a dying process still writes into it: once it is gone, nothing can write there)."""
-    with contextlib.suppress(ProcessLookupError):  # nothing left
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.monotonic() + 5
-    while True:
-        shutil.rmtree(workdir, ignore_errors=True)
-        if not os.path.exists(workdir) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-
-
-@dataclass
-class Life:
-    """One process of a worker, in a working directory and a process group of its own."""
-    proc: subprocess.Popen
-    workdir: str
-    reaped: bool = False
-
-
-class Supervisor:
-    """Runs the workers and replaces each one that exits.
-
-    ``store`` is told when a worker's process starts (``revive``) and exits (``forget``), and says
-    whether it has called in: the job store, whose workers take jobs from ``base_url``, or, for
-    load-balancing workers (``ports``: each one's ``PORT`` and ``PORT_HEALTH``), the balancer's
-    pool, for which a worker calls in when its ``/ping`` first answers 200.
-    """
-
-    def __init__(self, count: int, base_url: str, api_key: str | None, store: JobStore | Pool,
-                 command: Sequence[str] = (sys.executable, str(HANDLER)),
-                 container: ContainerLauncher | None = None,
-                 ports: Mapping[str, tuple[int, int]] | None = None,
-                 checks: Mapping[str, str] = SKIP_CHECKS) -> None:
-        self.base_url, self.api_key, self.store, self.ports = base_url, api_key, store, ports
-        self.checks = dict(checks)
-        self.command, self.container = tuple(command), container
-        self.workers = worker_ids(count)
-        self.lives: dict[str, Life] = {}  # worker → its latest process
-        # Processes start in threads (buildah takes a while); stop() takes the lock so that none
-        # starts after it has looked, and reaps each process once.
-        self._lock = threading.Lock()
-        self._stopping = False
-
-    async def run(self) -> None:
-        """Start every worker, then restart each one whenever it exits, until cancelled (which
-        cancels a pending restart; ``stop`` then ends the processes)."""
-        async with asyncio.TaskGroup() as group:
-            for worker in self.workers:
-                group.create_task(self._keep(worker))
-
-    async def _keep(self, worker: str) -> None:
-        backoff, restarts = Backoff(), 0
-        while (ended := await self._life(worker)) is not None:
-            status, how, up = ended
-            restarts, delay = restarts + 1, backoff.after_exit(up)
-            restart_at = time.monotonic() + delay
-            print(f"endpoint: {worker} {how} after {up:.1f} s; restarting in {delay:g} s "
-                  f"(restart {restarts})", flush=True)
-            await self.store.forget(worker, status, delay)  # first: its jobs fail now, not after the clean-up
-            await asyncio.to_thread(self._reap, worker)
-            await asyncio.sleep(max(0.0, restart_at - time.monotonic()))
-
-    async def _life(self, worker: str) -> tuple[int | None, str, float] | None:
-        """Run one process of ``worker`` until it exits: its status, how it ended and for how long
-        it ran (None: the endpoint is stopping)."""
-        self.store.revive(worker)
-        started = time.monotonic()
-        try:
-            life = await asyncio.to_thread(self._launch, worker)
-        except (OSError, subprocess.SubprocessError) as exc:  # e.g. buildah could not make its container
-            return None, f"could not start ({exc})", time.monotonic() - started
-        if life is None:
-            return None
-        while life.proc.poll() is None:
-            await asyncio.sleep(POLL_SECONDS)
-        return life.proc.returncode, f"exited with status {life.proc.returncode}", time.monotonic() - started
-
-    def _launch(self, worker: str) -> Life | None:
-        """Start a process for ``worker`` (None: the endpoint is stopping)."""
-        env = worker_env(self.base_url, worker, self.api_key, self.ports[worker] if self.ports else None,
-                         self.checks)
-        with self._lock:
-            if self._stopping:
-                return None
-            # Each process gets its own working directory, as each RunPod worker has its own
-            # container: the runpod SDK keeps its in-progress job list in a file in the working
-            # directory. Each in its own process group, which the endpoint empties once the worker
-            # has exited: a worker that dies abruptly may leave the SDK's heartbeat process behind.
-            workdir = tempfile.mkdtemp(prefix=f"{worker}-")
-            try:
-                argv = self.container(worker, env) if self.container else list(self.command)
-                proc = subprocess.Popen(argv, env=env, cwd=workdir, start_new_session=True)
-            except BaseException:
-                shutil.rmtree(workdir, ignore_errors=True)
-                if self.container:
-                    self.container.remove(worker)
-                raise
-            self.lives[worker] = life = Life(proc, workdir)
-        return life
-
-    async def wait_ready(self) -> None:
-        """Until every worker has called in once (restarts on the way included)."""
-        waiting = set(self.workers)
-        while waiting := {w for w in waiting if not self.store.called_in(w)}:
-            await asyncio.sleep(POLL_SECONDS)
-
-    def stop(self) -> None:
-        with self._lock:
-            self._stopping = True
-            lives = dict(self.lives)
-        for life in lives.values():
-            if life.proc.poll() is None:
-                life.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_SECONDS
-        for worker, life in lives.items():
-            with contextlib.suppress(subprocess.TimeoutExpired):  # then killed with its group
-                life.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            self._reap(worker)
-
-    def _reap(self, worker: str) -> None:
-        """Clean up after the worker's latest process, once (a restart under way and stop() may both
-        get here): its process group, working directory and container."""
-        with self._lock:
-            life = self.lives.get(worker)
-            if life is None or life.reaped:
-                return
-            life.reaped = True
-        _reap(life.proc, life.workdir)
-        if self.container:
-            self.container.remove(worker)
 
 
 async def announce_ready(supervisor: Supervisor, started: float) -> None:
@@ -355,8 +124,17 @@ async def serve(args: argparse.Namespace) -> None:
             target.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m endpoint", description=__doc__.splitlines()[0])
+def _seconds(parser: argparse.ArgumentParser, flag: str, default: float, help: str) -> None:
+    """A time limit or a wait, in seconds (``%(default)g`` in ``help``: its default)."""
+    parser.add_argument(flag, type=float, default=default, metavar="SECONDS", help=help)
+
+
+def _switch(parser: argparse.ArgumentParser, flag: str, help: str) -> None:
+    parser.add_argument(flag, action="store_true", help=help)
+
+
+def _add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """Where the endpoint listens, and what each worker runs: a script here or an image's command."""
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--workers", type=int, default=1,
@@ -370,30 +148,37 @@ def main() -> None:
                         help="with --image: a variable the containers get (NAME alone: its value here)")
     parser.add_argument("--volume", action="append", default=[], metavar="HOST:CONTAINER",
                         help="with --image: a folder mounted into each container (RunPod's volume)")
-    parser.add_argument("--execution-timeout", type=float, default=600.0, metavar="SECONDS",
-                        help="stop a job in progress longer than this, as RunPod's endpoint setting "
-                             "(default: 600, RunPod's default; 0: no limit)")
-    parser.add_argument("--job-take-delay", type=float, default=0.0, metavar="SECONDS",
-                        help="answer each job-take request that carries jobs this long after taking them, "
-                             "as RunPod's queue is a network round trip away (default: 0)")
-    parser.add_argument("--load-balancer", action="store_true",
-                        help="a load-balancing endpoint: no queue, each request goes to a ready worker's "
-                             "own HTTP server (ENDPOINT_TYPE=load_balancer)")
-    parser.add_argument("--separate-health-port", action="store_true",
-                        help="with --load-balancer: each worker answers /ping on a port of its own "
-                             "(PORT_HEALTH; default: on PORT)")
-    parser.add_argument("--worker-wait", type=float, default=120.0, metavar="SECONDS",
-                        help="with --load-balancer: answer 400 when no worker is ready this long after "
-                             "the request came (default: 120, RunPod's)")
-    parser.add_argument("--request-timeout", type=float, default=330.0, metavar="SECONDS",
-                        help="with --load-balancer: a request longer than this gets a 524, or its answer "
-                             "is cut off (default: 330, RunPod's)")
-    parser.add_argument("--no-fitness-checks", action="store_true",
-                        help="workers skip RunPod's start-up fitness checks (default: they run them, their "
-                             "network check dialling a listener of the endpoint's on 127.0.0.1)")
-    parser.add_argument("--refuse-network-check", action="store_true",
-                        help="the endpoint's network-check listener refuses connections: the workers' "
-                             "network fitness check fails, as on a host without network")
+
+
+def _add_queue_options(parser: argparse.ArgumentParser) -> None:
+    """What ``queue_endpoint`` reads."""
+    _seconds(parser, "--execution-timeout", 600.0, "stop a job in progress longer than this, as RunPod's "
+             "endpoint setting (default: %(default)g, RunPod's default; 0: no limit)")
+    _seconds(parser, "--job-take-delay", 0.0, "answer each job-take request that carries jobs this long "
+             "after taking them, as RunPod's queue is a network round trip away (default: %(default)g)")
+
+
+def _add_balancer_options(parser: argparse.ArgumentParser) -> None:
+    """What ``balancer_endpoint`` reads."""
+    _switch(parser, "--load-balancer", "a load-balancing endpoint: no queue, each request goes to a ready "
+            "worker's own HTTP server (ENDPOINT_TYPE=load_balancer)")
+    _switch(parser, "--separate-health-port", "with --load-balancer: each worker answers /ping on a port of "
+            "its own (PORT_HEALTH; default: on PORT)")
+    _seconds(parser, "--worker-wait", 120.0, "with --load-balancer: answer 400 when no worker is ready this "
+             "long after the request came (default: %(default)g, RunPod's)")
+    _seconds(parser, "--request-timeout", 330.0, "with --load-balancer: a request longer than this gets a "
+             "524, or its answer is cut off (default: %(default)g, RunPod's)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m endpoint", description=__doc__.splitlines()[0])
+    _add_worker_options(parser)
+    _add_queue_options(parser)
+    _add_balancer_options(parser)
+    _switch(parser, "--no-fitness-checks", "workers skip RunPod's start-up fitness checks (default: they run "
+            "them, their network check dialling a listener of the endpoint's on 127.0.0.1)")
+    _switch(parser, "--refuse-network-check", "the endpoint's network-check listener refuses connections: "
+            "the workers' network fitness check fails, as on a host without network")
     parser.add_argument("--api-key", default=env_value("ENDPOINT_API_KEY", os.environ),
                         help="require this bearer key from clients (default: $ENDPOINT_API_KEY)")
     # uvloop, as vllm serve and RunPod's own proxies: the balancer relays every streamed chunk, and

@@ -16,6 +16,7 @@ Worker face, RunPod's job protocol, which the real ``runpod.serverless.start`` l
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -282,26 +283,24 @@ class Endpoint:
         return web.json_response({})
 
 
+_ANY = functools.partial(web.route, "*")  # any method
+# RunPod's routes under /v2/<endpoint_id>/, by aiohttp's route kind (``web.get`` answers HEAD too):
+# path → the Endpoint's handler; job-* and ping/ are the worker face, the rest the client face.
+ROUTES = {
+    web.post: {"run": "run", "runsync": "runsync", "cancel/{job_id}": "cancel", "purge-queue": "purge_queue",
+               "job-stream/{worker}/{job_id}": "job_stream", "job-done/{worker}/{job_id}": "job_done"},
+    web.get: {"stream/{job_id}": "stream", "status/{job_id}": "status", "health": "health",
+              "job-take/{worker}": "job_take", "job-take-batch/{worker}": "job_take",
+              "job-stop/{worker}": "job_stop", "ping/{worker}": "ping"},
+    # The rest of openai/ second: RunPod relays only openai/v1/<route>.
+    _ANY: {"openai/v1/{route:.+}": "openai", "openai/{rest:.*}": "openai_unrelayed"},
+}
+
+
 def create_app(config: EndpointConfig | None = None, store: JobStore | None = None) -> web.Application:
     config = config or EndpointConfig()
     endpoint = Endpoint(config, store or JobStore())
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=[api_key_check(config.api_key)])
-    base = f"/v2/{config.endpoint_id}"
-    app.add_routes([
-        web.post(f"{base}/run", endpoint.run),
-        web.post(f"{base}/runsync", endpoint.runsync),
-        web.get(f"{base}/stream/{{job_id}}", endpoint.stream),
-        web.get(f"{base}/status/{{job_id}}", endpoint.status),
-        web.post(f"{base}/cancel/{{job_id}}", endpoint.cancel),
-        web.get(f"{base}/health", endpoint.health),
-        web.post(f"{base}/purge-queue", endpoint.purge_queue),
-        web.route("*", f"{base}/openai/v1/{{route:.+}}", endpoint.openai),
-        web.route("*", f"{base}/openai/{{rest:.*}}", endpoint.openai_unrelayed),  # the rest of openai/
-        web.get(f"{base}/job-take/{{worker}}", endpoint.job_take),
-        web.get(f"{base}/job-take-batch/{{worker}}", endpoint.job_take),
-        web.post(f"{base}/job-stream/{{worker}}/{{job_id}}", endpoint.job_stream),
-        web.post(f"{base}/job-done/{{worker}}/{{job_id}}", endpoint.job_done),
-        web.get(f"{base}/job-stop/{{worker}}", endpoint.job_stop),
-        web.get(f"{base}/ping/{{worker}}", endpoint.ping),
-    ])
+    app.add_routes([route(f"/v2/{config.endpoint_id}/{path}", getattr(endpoint, handler))
+                    for route, paths in ROUTES.items() for path, handler in paths.items()])
     return app

@@ -21,7 +21,7 @@ import pytest
 from conftest import engine_env, wait_for
 from local_endpoint import API_KEY, HealthSampler, LocalEndpoint, worker_pids
 
-from endpoint.balancer import WORKER_ID
+from endpoint.pool import WORKER_ID
 
 MESSAGES = [{"role": "user", "content": "Write a story about the sea"}]
 

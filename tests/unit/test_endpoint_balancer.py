@@ -23,8 +23,9 @@ from conftest import REPO
 from dev_env import free_port
 from yarl import URL
 
-import endpoint.__main__ as main
-from endpoint.balancer import WORKER_ID, BalancerConfig, Pool, Worker, create_balancer_app
+from endpoint.balancer import BalancerConfig, create_balancer_app
+from endpoint.pool import WORKER_ID, Pool, Worker
+from endpoint.worker_env import worker_env
 
 STUB = REPO / "tests" / "stub_lb_worker.py"
 EVENT = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
@@ -436,13 +437,13 @@ def test_the_method_path_query_body_and_end_to_end_headers_pass_as_sent():
 def test_load_balancing_workers_get_their_ports_and_no_job_protocol(monkeypatch):
     monkeypatch.setenv("RUNPOD_WEBHOOK_GET_JOB", "http://elsewhere/job-take")  # never passed on
     monkeypatch.delenv("ENDPOINT_TYPE", raising=False)
-    env = main.worker_env("http://127.0.0.1:8000", "local-worker-1", "k", (4001, 4002))
+    env = worker_env("http://127.0.0.1:8000", "local-worker-1", "k", (4001, 4002))
     names = ("ENDPOINT_TYPE", "PORT", "PORT_HEALTH", "RUNPOD_POD_ID", "RUNPOD_AI_API_KEY")
     assert {name: env[name] for name in names} == {
         "ENDPOINT_TYPE": "load_balancer", "PORT": "4001", "PORT_HEALTH": "4002",
         "RUNPOD_POD_ID": "local-worker-1", "RUNPOD_AI_API_KEY": "k"}
     assert not [k for k in env if k.startswith("RUNPOD_WEBHOOK_")]
-    queue = main.worker_env("http://127.0.0.1:8000/v2/local", "local-worker-1", "k")
+    queue = worker_env("http://127.0.0.1:8000/v2/local", "local-worker-1", "k")
     assert queue["RUNPOD_WEBHOOK_GET_JOB"] == "http://127.0.0.1:8000/v2/local/job-take/$ID?gpu=local"
     assert {k.removeprefix("RUNPOD_WEBHOOK_") for k in queue if k.startswith("RUNPOD_WEBHOOK_")} == {
         "GET_JOB", "POST_OUTPUT", "POST_STREAM", "PING"}

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import endpoint.__main__ as main
+import endpoint.supervisor as supervision
 from conftest import wait_for
 from endpoint.container import ContainerLauncher
 from endpoint.jobs import JobStore
@@ -49,12 +49,12 @@ def runs(tmp_path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def supervisor(count: int, code: str, container: ContainerLauncher | None = None) -> main.Supervisor:
-    return main.Supervisor(count, "http://127.0.0.1:9/v2/local", None, JobStore(),
+def supervisor(count: int, code: str, container: ContainerLauncher | None = None) -> supervision.Supervisor:
+    return supervision.Supervisor(count, "http://127.0.0.1:9/v2/local", None, JobStore(),
                            command=[sys.executable, "-c", code], container=container)
 
 
-async def serving(sup: main.Supervisor) -> None:
+async def serving(sup: supervision.Supervisor) -> None:
     """Until every worker's latest stand-in and its child run."""
     deadline = time.monotonic() + 20
     while not (len(sup.lives) == len(sup.workers)
@@ -63,14 +63,14 @@ async def serving(sup: main.Supervisor) -> None:
         await asyncio.sleep(0.02)
 
 
-async def started(sup: main.Supervisor) -> asyncio.Task:
+async def started(sup: supervision.Supervisor) -> asyncio.Task:
     """``sup.run()`` under way, once every worker's stand-in and its child run."""
     task = asyncio.create_task(sup.run())
     await serving(sup)
     return task
 
 
-async def stopped(sup: main.Supervisor, task: asyncio.Task) -> None:
+async def stopped(sup: supervision.Supervisor, task: asyncio.Task) -> None:
     """As the endpoint stops: the restarts cancelled, then the workers stopped."""
     task.cancel()
     await asyncio.wait({task})
@@ -95,7 +95,7 @@ def group_gone(pid: int) -> bool:
 
 
 def test_the_backoff_doubles_from_1_s_to_30_s_and_starts_again_after_60_s_up():
-    backoff = main.Backoff()
+    backoff = supervision.Backoff()
     assert [backoff.after_exit(0.5) for _ in range(7)] == [1, 2, 4, 8, 16, 30, 30]
     assert [backoff.after_exit(60), backoff.after_exit(59.9), backoff.after_exit(0)] == [1, 2, 4]
     assert [backoff.after_exit(3600), backoff.after_exit(1)] == [1, 2]
@@ -105,7 +105,7 @@ def test_the_backoff_doubles_from_1_s_to_30_s_and_starts_again_after_60_s_up():
 
 def test_a_worker_that_exits_is_restarted_under_its_id_once_its_group_and_directory_are_gone(
         tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(main, "BACKOFF_FIRST_SECONDS", 0.2)
+    monkeypatch.setattr(supervision, "BACKOFF_FIRST_SECONDS", 0.2)
     sup = supervisor(1, worker_code(tmp_path, EXIT_FIRST_RUN))
 
     async def scenario():
@@ -136,7 +136,7 @@ def test_a_worker_that_exits_is_restarted_under_its_id_once_its_group_and_direct
 
 
 def test_stop_leaves_no_directory_even_of_a_worker_deaf_to_sigterm(tmp_path, monkeypatch):
-    monkeypatch.setattr(main, "STOP_GRACE_SECONDS", 0.5)
+    monkeypatch.setattr(supervision, "STOP_GRACE_SECONDS", 0.5)
     sup = supervisor(2, worker_code(tmp_path, DEAF))
 
     async def scenario():
@@ -159,7 +159,7 @@ def test_stop_leaves_no_directory_even_of_a_worker_deaf_to_sigterm(tmp_path, mon
 
 
 def test_stop_cancels_a_pending_restart(tmp_path, monkeypatch):
-    monkeypatch.setattr(main, "BACKOFF_FIRST_SECONDS", 60)
+    monkeypatch.setattr(supervision, "BACKOFF_FIRST_SECONDS", 60)
     sup = supervisor(1, worker_code(tmp_path, "sys.exit(1)"))
 
     async def scenario():
@@ -195,7 +195,7 @@ elif sys.argv[1] == "run":
 
 
 def test_an_image_worker_is_restarted_in_a_new_container_once_the_old_one_is_removed(tmp_path, monkeypatch):
-    monkeypatch.setattr(main, "BACKOFF_FIRST_SECONDS", 0.2)
+    monkeypatch.setattr(supervision, "BACKOFF_FIRST_SECONDS", 0.2)
     log = tmp_path / "buildah.log"
     fake = tmp_path / "bin" / "buildah"
     fake.parent.mkdir()

@@ -1,8 +1,9 @@
-"""The load-balancing endpoint's ASGI app (``load_balancer/app``) with small stand-ins for vLLM's
-app and the handler: /ping per phase, refusals in each route's dialect (a body past the limit,
-chunked too; JSON nested too deep), vLLM's errors in the route's dialect, deadlines ending a
-response, raw jobs' formats, the health port's own app. The real worker behind it:
-tests/worker/test_load_balancer_worker.py. Last, its server's sockets (``load_balancer/server``)."""
+"""The load-balancing endpoint's ASGI app (``load_balancer/app``, its ASGI exchanges in
+``load_balancer/asgi_io``) with small stand-ins for vLLM's app and the handler: /ping per phase,
+refusals in each route's dialect (a body past the limit, chunked too; JSON nested too deep), vLLM's
+errors in the route's dialect, deadlines ending a response, raw jobs' formats, the health port's own
+app. The real worker behind it: tests/worker/test_load_balancer_worker.py. Last, its server's
+sockets (``load_balancer/server``)."""
 
 from __future__ import annotations
 

@@ -35,9 +35,7 @@ has started.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
-import json
 import logging
 import time
 import uuid
@@ -48,10 +46,11 @@ from typing import Any
 
 from worker.config.settings import WorkerSettings
 from worker.jobs.deadlines import DeadlinePassed, Deadlines, deadline_error
-from worker.routes.route_table import DENIED, Route, RouteTable
+from worker.load_balancer.asgi_io import (BodyTooLarge, Reply, content_length, read_body, replay_body, send_json,
+                                          status_of, too_deep, until_disconnect)
+from worker.routes.route_table import DENIED, RouteTable
 from worker.wire import nesting
-from worker.wire.body_envelope import is_json
-from worker.wire.dialects import anthropic_status, is_anthropic_route
+from worker.wire.dialects import is_anthropic_route
 from worker.wire.errors import ErrorPayload, StartupError, error_response
 from worker.wire.sse import DONE, frame
 
@@ -89,148 +88,9 @@ class Serving:
     on_death: Callable[[], None]  # then called once: the worker exits, and RunPod replaces it
 
 
-def _status_of(error: ErrorPayload) -> int:
-    """An error item's HTTP status, which both dialects carry (Anthropic's as its type)."""
-    inner = error["error"]
-    return int(inner["code"]) if "code" in inner else anthropic_status(inner.get("type"))
-
-
-async def _send_json(send: Callable, status: int, body: Any) -> None:
-    payload = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode())]})
-    await send({"type": "http.response.body", "body": payload})
-
-
 def _failed_job(job_id: str | None, error: ErrorPayload) -> dict[str, Any]:
     """A failed job as RunPod's /runsync reports it: the error item's ``error`` as JSON text."""
     return {"id": job_id, "status": "FAILED", "error": str(error["error"])}
-
-
-def _header(scope: dict, name: bytes) -> str | None:
-    value = next((v for k, v in scope["headers"] if k == name), None)
-    return None if value is None else value.decode("latin-1")
-
-
-def _content_length(scope: dict) -> int | None:
-    value = _header(scope, b"content-length")
-    return int(value) if value is not None and value.isdigit() else None
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-async def _read_body(receive: Callable, limit: int) -> bytes | None:
-    """The request's body, read until it ends or passes ``limit`` (_BodyTooLarge: the rest is left
-    unread, however it is sent: chunked, or past a Content-Length that said less); None: the client
-    left."""
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Callable) -> Callable:
-    """``receive`` for vLLM's app: the body read already, then the client's own messages (vLLM's
-    routes watch them for a disconnect)."""
-    pending = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replay() -> dict:
-        return pending.pop() if pending else await receive()
-
-    return replay
-
-
-def _too_deep(scope: dict, body: bytes) -> bool:
-    """Whether a JSON body nests deeper than the worker serves (``wire/nesting``). FastAPI reads a
-    body without a content type as JSON too; one that is not JSON is vLLM's to answer."""
-    content_type = _header(scope, b"content-type")
-    if not body or (content_type is not None and not is_json(content_type)):
-        return False
-    try:
-        return nesting.too_deep(nesting.loads(body))
-    except ValueError:
-        return False
-
-
-@contextlib.asynccontextmanager
-async def _until_disconnect(receive: Callable) -> AsyncIterator[None]:
-    """The body runs until it ends or the client disconnects, which cancels it (vLLM then aborts the
-    job's request). vLLM's own routes watch for this themselves."""
-    task, gone = asyncio.current_task(), False
-
-    async def watch() -> None:
-        nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        gone = True
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        yield
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()  # the client left: nothing is left to answer
-    finally:
-        watcher.cancel()
-
-
-class _Reply:
-    """The app's ``send``, noting how far the response has got, so that a deadline can end it, and
-    putting vLLM's JSON errors in the route's dialect (``Route.error_item``, as on the queue)."""
-
-    def __init__(self, send: Callable, route: Route) -> None:
-        self._send, self._route = send, route
-        self.status = 0  # none sent yet
-        self.stream = False
-        self.ended = False
-        self._error: list[bytes] | None = None  # a JSON error's body, held until it is whole
-
-    async def send(self, message: dict) -> None:
-        if message["type"] == "http.response.start":
-            self.status = message["status"]
-            content_type = next((v for k, v in message.get("headers", ()) if k == b"content-type"), b"").decode()
-            self.stream = content_type.startswith("text/event-stream")
-            if self.status >= HTTPStatus.BAD_REQUEST and is_json(content_type):
-                self._error = []
-                return
-        elif self._error is not None:
-            self._error.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                self.ended = True
-                await self._send_error(b"".join(self._error))
-            return
-        elif not message.get("more_body", False):
-            self.ended = True
-        await self._send(message)
-
-    async def _send_error(self, body: bytes) -> None:
-        try:
-            content = json.loads(body) if body else {}
-        except ValueError:
-            content = {"detail": body.decode(errors="replace")}
-        await _send_json(self._send, self.status, self._route.error_item(self.status, content))
-
-    async def end_with(self, error: ErrorPayload) -> None:
-        """Ends the response with ``error``: the whole answer, or the stream's last event."""
-        if not self.status or self._error is not None:
-            await _send_json(self._send, _status_of(error), error)
-        elif not self.ended:
-            prefix = "event: error\n" if self._route.anthropic else ""
-            event = prefix + frame(error) if self.stream else ""
-            await self._send({"type": "http.response.body", "body": event.encode(), "more_body": False})
 
 
 class WorkerApp:
@@ -291,7 +151,7 @@ class WorkerApp:
                 Phase.FAILED: f"the worker could not start: {self.failure and self.failure.answer}",
                 Phase.DRAINING: "the worker is shutting down: send the request again, to another worker",
             }[self.phase]
-        if (size := _content_length(scope)) is not None and size > self.max_body_bytes:
+        if (size := content_length(scope)) is not None and size > self.max_body_bytes:
             return HTTPStatus.REQUEST_ENTITY_TOO_LARGE, (
                 f"the request body is {size} bytes, above the {self.max_body_bytes} a load-balancing "
                 "endpoint passes")
@@ -308,7 +168,7 @@ class WorkerApp:
 
     async def _refuse(self, send: Callable, path: str, status: int, message: str) -> None:
         error = error_response(status, message, anthropic=is_anthropic_route(path))
-        await _send_json(send, status, _failed_job(None, error) if path in JOB_ROUTES else error)
+        await send_json(send, status, _failed_job(None, error) if path in JOB_ROUTES else error)
 
     async def _route(self, scope: dict, receive: Callable, send: Callable) -> None:
         """A request to vLLM's app, within its deadline."""
@@ -316,11 +176,11 @@ class WorkerApp:
         if (vllm_path := serving.routes.vllm_path(path)) != path:
             scope = {**scope, "path": vllm_path, "raw_path": vllm_path.encode()}
         route = serving.routes.find(path)
-        reply, (timeout, limit) = _Reply(send, route), serving.settings.timeout_for()
+        reply, (timeout, limit) = Reply(send, route), serving.settings.timeout_for()
         try:
             async with serving.deadlines.scope(timeout):
                 if (body := await self._route_body(scope, receive, send)) is not None:
-                    await serving.vllm_app(scope, _replay(body, receive), reply.send)
+                    await serving.vllm_app(scope, replay_body(body, receive), reply.send)
         except DeadlinePassed as passed:
             grace = serving.settings.shutdown_grace_period
             await reply.end_with(deadline_error(f"Request {scope['method']} {path}", passed, timeout, grace,
@@ -333,11 +193,11 @@ class WorkerApp:
         large, or nested too deep) or its client left."""
         path = scope["path"]
         try:
-            body = await _read_body(receive, self.max_body_bytes)
-        except _BodyTooLarge:
+            body = await read_body(receive, self.max_body_bytes)
+        except BodyTooLarge:
             await self._refuse(send, path, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._too_large())
             return None
-        if body is not None and _too_deep(scope, body):
+        if body is not None and too_deep(scope, body):
             await self._refuse(send, path, HTTPStatus.BAD_REQUEST, nesting.refusal("the request body"))
             return None
         return body
@@ -349,10 +209,10 @@ class WorkerApp:
         """A job on ``/runsync`` or ``/stream``, through the handler as a queue's job. An input too
         deep to parse is kept as ``nesting.Raw``, which the handler refuses as a queue job's."""
         try:
-            raw = await _read_body(receive, self.max_body_bytes)
+            raw = await read_body(receive, self.max_body_bytes)
             # Split down to the input's keys: the error's dialect is that of the route a job names.
             body = None if raw is None else nesting.loads(raw or b"null", levels=2)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             return await self._refuse(send, path, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, self._too_large())
         except ValueError as exc:
             return await self._refuse(send, path, HTTPStatus.BAD_REQUEST, f"the body is not JSON: {exc}")
@@ -365,7 +225,7 @@ class WorkerApp:
             job_input = {**job_input, **_PER_STEP}
         job = {"id": f"http-{uuid.uuid4().hex}", "input": job_input}
         items = aiter(self.serving.run_job(job))
-        async with _until_disconnect(receive):
+        async with until_disconnect(receive):
             if path == "/runsync":
                 await self._runsync(job["id"], items, send)
             else:
@@ -375,9 +235,9 @@ class WorkerApp:
         started, output = time.monotonic(), []
         async for item in items:
             if isinstance(item, ErrorPayload):
-                return await _send_json(send, _status_of(item), _failed_job(job_id, item))
+                return await send_json(send, status_of(item), _failed_job(job_id, item))
             output.append(item)
-        await _send_json(send, HTTPStatus.OK, {
+        await send_json(send, HTTPStatus.OK, {
             "id": job_id, "status": "COMPLETED", "executionTime": round((time.monotonic() - started) * 1000),
             "output": output})
 
@@ -387,7 +247,7 @@ class WorkerApp:
         event of its JSON."""
         first = await anext(items, None)
         if isinstance(first, ErrorPayload):
-            return await _send_json(send, _status_of(first), first)
+            return await send_json(send, status_of(first), first)
         await send({"type": "http.response.start", "status": HTTPStatus.OK,
                     "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
         last = ""
@@ -415,4 +275,4 @@ class PingOnly:
             return await self.app(scope, receive, send)
         message = (f"route {scope['path']!r} is not served on this port (PORT_HEALTH), which answers /ping "
                    "only: send requests to PORT")
-        await _send_json(send, HTTPStatus.NOT_FOUND, error_response(HTTPStatus.NOT_FOUND, message))
+        await send_json(send, HTTPStatus.NOT_FOUND, error_response(HTTPStatus.NOT_FOUND, message))
