@@ -89,7 +89,7 @@ class RepoRequest:
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """What the configuration asks for, read before vLLM (``settings.model_request``)."""
+    """What the configuration asks for, read before vLLM (``config/model_request``)."""
 
     model: RepoRequest
     tokenizer: RepoRequest | None = None  # only when it is another repo or revision
