@@ -8,11 +8,12 @@ copy is used when a layer names the repo it came from (``model/baked_args``).
 
 VLLM_EXTRA_ARGS is split here by a small reader of its own (``_extra_arg``: ``--flag value``,
 ``--flag=value``, underscores or dashes, the last one winning), not by vLLM's parser: importing vLLM to
-build that parser takes 8 to 15 s on a 2-core machine (about 1 s without it), and preflight is the
-step that answers a mistyped repo or a refused token before any of that. The two can read a line
-differently only where vLLM's parser does more: an abbreviated flag (``--tokenizer-rev``), or flags
-inside a ``--config`` file. Then the engine's reading wins: preflight's snapshot is served only for
-the repo vLLM's parser names (``engine_args._use_download``), and vLLM fetches any other itself.
+build that parser puts 16 to 19 s before preflight's first answer on a busy 2-core machine (0.5 to 1 s
+without it; 2026-12-07), and preflight is the step that answers a mistyped repo or a refused token
+before any of that. The two can read a line differently only where vLLM's parser does more: an
+abbreviated flag (``--tokenizer-rev``), or flags inside a ``--config`` file. Then the engine's reading
+wins: preflight's snapshot is served only for the repo vLLM's parser names
+(``engine_args._use_download``), and vLLM fetches any other itself.
 """
 
 from __future__ import annotations
