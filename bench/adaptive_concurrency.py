@@ -307,7 +307,7 @@ def _measure_cost(config: str, dtype: str) -> dict[str, float]:
     from worker.vllm_adapter import engine as adapter_engine
     from bench.handler_overhead import EnginePaths
     from handler import start_engine
-    from worker.config.settings import load_config
+    from worker.config.worker_config import load_config
 
     disable_log_stats, feed, prometheus = COST_CONFIGS[config]
     if prometheus:

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from bench.common import Plan, Results, ab, model_env
 from bench.servers import Endpoint, VllmServe
-from worker.config.settings import VOLUME_CACHE_DIR
+from worker.config.worker_config import VOLUME_CACHE_DIR
 
 # vLLM's own log lines (EngineCore's output, relayed to the worker's log).
 INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")

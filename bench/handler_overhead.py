@@ -63,7 +63,7 @@ class EnginePaths:
 
 def run(model: str, plan: Plan, results: Results) -> None:
     from handler import start_engine
-    from worker.config.settings import load_config
+    from worker.config.worker_config import load_config
 
     engine, _ = start_engine(load_config(model_env(model, plan)))  # as the worker runs it
     try:

@@ -17,10 +17,10 @@ check and fetch the model, read and validate all configuration, build the engine
 once the engine is ready. A start that fails answers every job with the cause for a while, then
 exits: status 2 when settings must change, 1 otherwise (``startup/failed_start``).
 
-On a load-balancing endpoint (``settings.endpoint_kind``) the worker serves HTTP instead of taking
-jobs (``load_balancer/``): its port answers ``/ping`` from the first moment, vLLM's routes and raw
-jobs (``handler``, on ``/runsync`` and ``/stream``) once the engine is ready, and a failed start's
-cause in the same way.
+On a load-balancing endpoint (``config/early_settings.endpoint_kind``) the worker serves HTTP
+instead of taking jobs (``load_balancer/``): its port answers ``/ping`` from the first moment, vLLM's
+routes and raw jobs (``handler``, on ``/runsync`` and ``/stream``) once the engine is ready, and a
+failed start's cause in the same way.
 
 A failing job yields one ``{"error": {...}}`` item and the worker keeps serving, unless the
 engine itself is dead: then the worker exits with status 1 and RunPod replaces it.
@@ -50,7 +50,9 @@ from worker.wire.errors import RequestError, StartupError, error_from_exception,
 from worker.wire.redact import mask_log_records, mask_streams
 
 if TYPE_CHECKING:
-    from worker.config.settings import EndpointKind, WorkerConfig, WorkerSettings
+    from worker.config.early_settings import EndpointKind
+    from worker.config.settings import WorkerSettings
+    from worker.config.worker_config import WorkerConfig
     from worker.engine.vllm_engine import vLLMEngine
     from worker.load_balancer.server import WorkerServer
     from worker.scheduling.concurrency import Concurrency
@@ -204,7 +206,7 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog,
     global vllm_engine, openai_engine
     from worker.engine.compile_cache import EngineStart
     from worker.startup import serving_imports
-    from worker.startup.steps import fetch_model
+    from worker.startup.steps import fetch_model, read_config
     from worker.startup.steps import start_engine as start_with_retry
 
     check_fitness()  # RunPod's checks, before the worker takes any memory or disk
@@ -213,12 +215,11 @@ def _start(phase: Callable[[str], None], watchdog: Watchdog,
     downloaded = fetch_model(watchdog.enter)
     phase("model")
     watchdog.enter("load")
-    from worker.config.settings import load_config
     from worker.vllm_adapter.engine_env import CACHE_ENTRY_DIRS, cache_root
     from worker.vllm_adapter.engine_notes import engine_phase
 
     watchdog.engine_phase = engine_phase
-    config = load_config(downloaded=downloaded)
+    config = read_config(downloaded)
     phase("config")
     cache = EngineStart.begin(Path(cache_root()), CACHE_ENTRY_DIRS, config.volume_cache)
     phase("cache")
@@ -256,7 +257,7 @@ def _bind_ports(kind: EndpointKind) -> WorkerServer | None:
 
 def _answer_failure(failure: StartupError, server: WorkerServer | None) -> NoReturn:
     """Answer every job or request with ``failure`` for a while, then exit with its status."""
-    from worker.config.settings import failure_answer_seconds
+    from worker.config.early_settings import failure_answer_seconds
     from worker.startup import failed_start
 
     seconds = failure_answer_seconds()
@@ -328,7 +329,7 @@ def main() -> None:
         now = time.perf_counter()
         phases[name], mark = now - mark, now
 
-    from worker.config.settings import endpoint_kind, startup_timeout
+    from worker.config.early_settings import endpoint_kind, startup_timeout
     from worker.startup.steps import fitness_checks
     from worker.startup.watchdog import Watchdog
 

@@ -131,7 +131,7 @@ LOAD_FEED = LoadFeed()
 
 def _build_engine(env: dict[str, str]):
     from worker.engine.vllm_engine import vLLMEngine
-    from worker.config.settings import load_config
+    from worker.config.worker_config import load_config
 
     with timed("engines"):
         return vLLMEngine(load_config(env), on_load=LOAD_FEED)

@@ -56,7 +56,7 @@ from worker.config.engine_args import PARALLEL_DESTS, WORKER_DEFAULTS, known_env
 from worker.config.legacy_env import RENAMED_ENV, SPECULATIVE_ENV
 from worker.wire.errors import ConfigError, RequestError
 from worker.routes.route_table import RouteTable, unclassified_routes
-from worker.config.settings import load_config
+from worker.config.worker_config import load_config
 
 pytestmark = pytest.mark.usefixtures("hub_lookups_off")
 

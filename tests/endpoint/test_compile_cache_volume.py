@@ -13,7 +13,7 @@ import pytest
 from local_endpoint import LocalEndpoint
 
 from worker.engine.compile_cache import TMP_PREFIX, entries
-from worker.config.settings import VOLUME_CACHE_DIR
+from worker.config.worker_config import VOLUME_CACHE_DIR
 from worker.vllm_adapter.engine_env import CACHE_ENTRY_DIRS
 
 COMPILE_ON = {"ENFORCE_EAGER": "false", "TORCH_COMPILE_DISABLE": "0"}

@@ -14,7 +14,7 @@ from worker.model.download_model import bake
 
 def test_the_worker_serves_the_baked_model_offline(models, tmp_path, monkeypatch, run_job):
     from worker.engine.vllm_engine import vLLMEngine
-    from worker.config.settings import load_config
+    from worker.config.worker_config import load_config
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as the image runs
     files = {path.name: path for path in models["tiny-llama"].iterdir() if not path.name.startswith(".")}

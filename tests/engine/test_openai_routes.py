@@ -12,7 +12,7 @@ from conftest import cosine
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion import Completion
 
-from worker.config.settings import load_config
+from worker.config.worker_config import load_config
 from worker.jobs.batching import BatchSize
 from worker.jobs.job_input import JobInput
 from worker.routes.serving import OpenAIvLLMEngine

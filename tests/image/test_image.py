@@ -26,7 +26,7 @@ from conftest import CPU_ENV, REPO
 from doc_pages import README, section
 from image import Built, build, buildah, copy_context, image_config
 from starts import timed
-from worker.config.settings import VOLUME_CACHE_DIR
+from worker.config.worker_config import VOLUME_CACHE_DIR
 
 from tests.endpoint.local_endpoint import LocalEndpoint
 from tests.hub_cache import add_cached_repo

@@ -20,7 +20,7 @@ import safetensors.numpy
 from hub_cache import add_cached_repo
 
 from worker.config.engine_args import resolve_args
-from worker.config.settings import load_config
+from worker.config.worker_config import load_config
 from worker.model import download_model
 from worker.model.download_model import BakeError, adapter_entries, bake, fetch, select_files
 

@@ -14,12 +14,15 @@ from vllm.reasoning import ReasoningParserManager
 from vllm.tool_parsers import ToolParserManager
 
 from worker.config.arg_parser import REVIEWED_FRONTEND, SERVER_ONLY, env_parser, unclassified_frontend_flags
+from worker.config.early_settings import config_file
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names, resolve_args
-from worker.wire.errors import ConfigError
-from worker.config.settings import config_file, load_config, load_settings
+from worker.config.settings import env_names, load_settings
+from worker.config.worker_config import load_config
 from worker.env_text import BOOL_SPELLINGS, parse_bool
+from worker.startup.fitness import FitnessSettings
 from worker.vllm_adapter.cli import frontend_arg_dests
 from worker.vllm_adapter.engine_config import VLLM_VERSION
+from worker.wire.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 
@@ -503,6 +506,12 @@ def test_bad_baked_file(files):
 def test_near_miss_names_get_a_suggestion(files, caplog, typo, real):
     load_config(files.env(MODEL_NAME="m", **{typo: "1"}))
     assert f"Unknown setting {typo} is ignored; did you mean {real}?" in caplog.text
+
+
+def test_near_misses_of_the_fitness_checks_variables_get_a_suggestion(files, caplog):
+    """They are read before the rest (startup/fitness): the start names them to load_config."""
+    load_config(files.env(MODEL_NAME="m", NETWORK_CHECK_TARGT="127.0.0.1:9"), also_read=env_names(FitnessSettings))
+    assert "Unknown setting NETWORK_CHECK_TARGT is ignored; did you mean NETWORK_CHECK_TARGET?" in caplog.text
 
 
 def test_unrelated_names_get_no_suggestion(files, caplog):

@@ -8,7 +8,7 @@ import pytest
 
 from worker.config.arg_parser import OWNED, SERVER_ONLY
 from worker.config.engine_args import known_env_names, resolve_args
-from worker.config.settings import model_request
+from worker.config.model_request import model_request
 from worker.wire.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")

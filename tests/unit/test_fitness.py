@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from worker.config.settings import FitnessSettings, fitness_settings
+from worker.startup.fitness import FitnessSettings, fitness_settings
 from worker.startup import fitness
 from worker.wire.errors import ConfigError, StartupError
 

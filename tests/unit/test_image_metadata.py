@@ -37,7 +37,8 @@ from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
 from worker.jobs.job_input import JobInput
 from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV
 from worker.routes.route_table import REVIEWED
-from worker.config.settings import WorkerConfig, WorkerSettings, load_config
+from worker.config.settings import WorkerSettings
+from worker.config.worker_config import WorkerConfig, load_config
 from worker.routes.raw_format import BATCHING
 from worker.startup.steps import RETRIED_UNLESS_CHOSEN, chose
 

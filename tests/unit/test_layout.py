@@ -96,7 +96,8 @@ print(json.dumps(sorted(seen)))
 def test_the_rooms_below_the_adapters_users_import_without_vllm():
     """What the local endpoint, the bake step and the start-up's first steps use stays plain."""
     plain = [name for name in _modules() if _room(name) in ("env_text", "wire", "model", "jobs")]
-    plain += ["worker.config.settings", "worker.startup.failed_start", "worker.startup.process_exit"]
+    plain += ["worker.config.settings", "worker.config.early_settings", "worker.config.model_request",
+              "worker.config.worker_config", "worker.startup.failed_start", "worker.startup.process_exit"]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {plain!r}]; "
             "print(sorted(m for m in ('vllm', 'torch') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=SRC, capture_output=True, text=True, check=True)

@@ -14,7 +14,8 @@ from worker.config import engine_args
 from worker.config.engine_args import known_env_names, resolve_args
 from worker.wire.errors import ConfigError
 from worker.config.legacy_env import REMOVED_ENV, RENAMED_ENV, ROPE_ENV, SPECULATIVE_ENV, SUBPROCESS_ENV, MergedRope
-from worker.config.settings import WorkerSettings, load_config
+from worker.config.settings import WorkerSettings, env_names
+from worker.config.worker_config import load_config
 
 pytestmark = pytest.mark.usefixtures("capture_info", "hub_lookups_off")
 
@@ -74,7 +75,7 @@ def test_the_name_list_covers_the_reference_docs():
 
 
 def test_every_documented_name_is_honoured_mapped_warned_or_not_ours():
-    honoured = known_env_names() | WorkerSettings.env_names() | image_names() | {"LOG_LEVEL"}
+    honoured = known_env_names() | env_names(WorkerSettings) | image_names() | {"LOG_LEVEL"}
     unclassified = documented_names() - honoured - set(NOT_WORKER_ENV)
     assert unclassified == set()
     # Legacy names are read only to be mapped or warned about (the tests below check each).

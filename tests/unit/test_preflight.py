@@ -1,6 +1,6 @@
 """preflight.py against the local hub, in this process: each way a repo can be out of reach named
 with the variable to change; the download (files chosen, revision pinned, a killed download resumed,
-the cache offline); settings.model_request's reading of the layers, before vLLM."""
+the cache offline); config/model_request's reading of the layers, before vLLM."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from worker.model import preflight
 from worker.wire.errors import StartupError
 from worker.wire.redact import mask_urls
 from worker.model.preflight import ModelRequest, RepoRequest, prepare
-from worker.config.settings import model_request
+from worker.config.model_request import model_request
 from tests.unit.test_local_hub import LATEST, OTHER, RELEASE, REVOKED, TOKEN, TOKENIZER
 
 MODEL = RepoRequest("org/model", None, "MODEL_NAME", "MODEL_REVISION")
@@ -189,7 +189,7 @@ def test_too_little_free_space_is_named_before_anything_downloads(hub, cache, mo
     assert hub.downloads == []
 
 
-# --- settings.model_request: which repos, from the same layers as load_config -------------------
+# --- config/model_request: which repos, from the same layers as load_config -------------------
 
 def request_for(tmp_path: Path, config: dict | None = None, baked: dict | None = None, **env: str):
     config_file, baked_file = tmp_path / "vllm_config.yaml", tmp_path / "local_model_args.json"

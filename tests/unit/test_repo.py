@@ -7,8 +7,10 @@ from conftest import REPO
 from doc_pages import DOCS, README, broken_links, links, pages, section, table
 
 from worker.config.engine_args import WORKER_DEFAULTS, known_env_names
-from worker.config.settings import FitnessSettings, WorkerSettings, config_file
+from worker.config.early_settings import config_file
+from worker.config.settings import WorkerSettings
 from worker.model.baked_args import DEFAULT_ARGS_FILE
+from worker.startup.fitness import FitnessSettings
 
 QUICK_START = "Quick start (CPU machine, no GPU needed)"
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import engine_env
 
 from worker.config.engine_args import resolve_args
-from worker.config.settings import model_request
+from worker.config.model_request import model_request
 from worker.model.preflight import prepare
 
 PIN = "pinned"

@@ -12,7 +12,9 @@ from conftest import engine_env
 from worker.config import engine_args
 from worker.startup import failed_start
 from worker.wire.errors import ConfigError, StartupError
-from worker.config.settings import DEFAULT_FAILURE_ANSWER_SECONDS, failure_answer_seconds, load_config
+from worker.config.early_settings import failure_answer_seconds
+from worker.config.settings import DEFAULT_FAILURE_ANSWER_SECONDS
+from worker.config.worker_config import load_config
 from worker.startup.steps import engine_failure
 from worker.vllm_adapter.engine_config import MemoryEstimate
 from worker.vllm_adapter.engine_notes import failure_note
@@ -208,7 +210,7 @@ def test_a_transient_download_failure_is_tried_once_more_and_a_permanent_one_is_
 
     monkeypatch.setattr(steps, "RETRY_PAUSE_SECONDS", 0)
     monkeypatch.setattr(preflight, "prepare", prepare)
-    monkeypatch.setattr("worker.config.settings.model_request", lambda: "org/model")
+    monkeypatch.setattr("worker.config.model_request.model_request", lambda: "org/model")
     assert steps.fetch_model(print) == "snapshots" and len(calls) == 2
     # With its detail: the log's.
     assert "Model download failed, trying once more in 0 s: download failed: cannot reach the hub " \

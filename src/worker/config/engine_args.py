@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from worker.config import settings
+from worker.config import early_settings
 from worker.config.arg_parser import (
     ENV_ALIASES,
     REFUSED_ENGINE,
@@ -52,6 +52,7 @@ from worker.config.legacy_env import translate as legacy_texts
 from worker.env_text import env_value
 from worker.model import baked_args
 from worker.model.model_folder import check_model_folder
+from worker.model.repo_ids import is_repo_id
 from worker.vllm_adapter.cli import engine_args_from, validate_frontend_args
 from worker.vllm_adapter.engine_config import (
     VLLM_RESOLVES_MEMORY_UTILIZATION,
@@ -102,6 +103,7 @@ class ResolvedArgs:
     engine_args: AsyncEngineArgs
     flags: dict[str, Setting] = field(default_factory=dict)  # by dest: each configured flag
     served_repo: str | None = None  # repo id whose local copy (baked or downloaded) is served, if any
+    baked: dict[str, Any] = field(default_factory=dict)  # the baked-args file, read once (model/baked_args)
 
     def summary(self) -> str:
         return ", ".join(f"{s.dest}={s.shown} ({s.source})" for s in self.flags.values())
@@ -180,7 +182,7 @@ def known_env_names() -> frozenset[str]:
     """Every env var name this module reads."""
     return frozenset({d.upper() for d in env_parser().env_dests} | set(ENV_ALIASES)
                      | LEGACY_ENV
-                     | {"VLLM_CONFIG_FILE", settings.EXTRA_ARGS_ENV, baked_args.ARGS_FILE_ENV})
+                     | {"VLLM_CONFIG_FILE", early_settings.EXTRA_ARGS_ENV, baked_args.ARGS_FILE_ENV})
 
 
 def _worker_defaults_layer(parser: EnvParser, errors: list[str]) -> dict[str, Setting]:
@@ -228,8 +230,8 @@ def _env_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -> 
 
 
 def _command_line_layer(parser: EnvParser, env: Mapping[str, str], errors: list[str]) -> dict[str, Setting]:
-    text = env_value(settings.EXTRA_ARGS_ENV, env)
-    return {} if text is None else parser.command_line(text, settings.EXTRA_ARGS_ENV, errors)
+    text = env_value(early_settings.EXTRA_ARGS_ENV, env)
+    return {} if text is None else parser.command_line(text, early_settings.EXTRA_ARGS_ENV, errors)
 
 
 def _lora_modules_text(text: str) -> str:
@@ -280,7 +282,7 @@ def _drop_local_pins(merged: dict[str, Setting]) -> None:
     tokenizer (use_heterogeneous_vocab). A revision ``_use_download`` consumed is gone already."""
     for repo_dest, revision_dest in _REVISION_OF.items():
         pin, repo = merged.get(revision_dest), merged.get(repo_dest) or merged.get("model")
-        if pin is None or repo is None or settings.is_repo_id(str(repo.value)):
+        if pin is None or repo is None or is_repo_id(str(repo.value)):
             continue
         del merged[revision_dest]
         log.info("%s=%s not given to vLLM: %s is no hub repo, which a revision would pin, and vLLM would "
@@ -294,7 +296,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
     """Merge every layer and parse it with vLLM's parser; raise ConfigError naming each problem.
     ``downloaded``: the snapshots ``preflight`` fetched, served in place of their repo ids."""
     env = os.environ if env is None else env
-    config_file = config_file or settings.config_file(env)
+    config_file = config_file or early_settings.config_file(env)
     baked_args_file = baked_args_file or baked_args.args_file(env)
     parser = env_parser()
     errors: list[str] = []
@@ -337,7 +339,7 @@ def resolve_args(env: Mapping[str, str] | None = None, *,
             engine_args.hf_overrides = merge_rope(engine_args.hf_overrides, merged["hf_overrides"].source)
     except (OSError, ValueError) as exc:  # e.g. offline with a repo id that is not in the cache
         raise ConfigError(f"invalid configuration:\n  {merged['model'].source}: {exc}") from None
-    return ResolvedArgs(namespace, engine_args, merged, served_repo)
+    return ResolvedArgs(namespace, engine_args, merged, served_repo, baked_file)
 
 
 def _default_to_all_gpus(merged: dict[str, Setting]) -> None:

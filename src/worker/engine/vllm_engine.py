@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any, Self
 
-from worker.config.settings import WorkerConfig, WorkerSettings, load_config
+from worker.config.settings import WorkerSettings
+from worker.config.worker_config import WorkerConfig, load_config
 from worker.engine.adapters import Adapters
 from worker.engine.background_loop import BackgroundLoop
 from worker.engine.sampling import build_sampling_params

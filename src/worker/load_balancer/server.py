@@ -28,7 +28,7 @@ from typing import Any
 
 import uvicorn
 
-from worker.config.settings import EndpointKind
+from worker.config.early_settings import EndpointKind
 from worker.engine.background_loop import BackgroundLoop
 from worker.load_balancer.app import PingOnly, Serving, WorkerApp
 from worker.wire.errors import StartupError

@@ -5,6 +5,10 @@ The file is a JSON object of env-style names: the local snapshot paths as ``MODE
 ``TOKENIZER_NAME``, the repos they came from as ``BAKED_MODEL_NAME`` / ``BAKED_TOKENIZER_NAME``,
 and ``QUANTIZATION``; with adapters, their folder as ``BAKED_LORA_DIR`` and ``ENABLE_LORA``. Plain
 (no vLLM): the image's bake step runs it with only its own files.
+
+A start reads it once for each of its two moments: before vLLM is imported (``config/model_request``:
+is the named repo the baked one, so that nothing is fetched?), and with the rest of the configuration
+(``config/engine_args``, whose ``ResolvedArgs.baked`` hands it on to the LoRA adapters' sources).
 """
 
 from __future__ import annotations

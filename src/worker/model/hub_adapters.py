@@ -15,7 +15,6 @@ calls ``fetch`` in a thread pool of its own.
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import logging
 import threading
@@ -26,19 +25,11 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 
-import httpx2  # huggingface_hub's HTTP client
 from huggingface_hub import HfApi, constants, snapshot_download
-from huggingface_hub.errors import (
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
 from huggingface_hub.file_download import repo_folder_name
 
 from worker.model.adapter_files import ADAPTER_FILES, CONFIG_FILE
+from worker.model.hub_errors import HUB_ERRORS, HubFailure, hub_failure
 from worker.wire.errors import RequestError
 
 log = logging.getLogger(__name__)
@@ -199,30 +190,27 @@ def _cached_spelling(repo: str) -> str:
 @contextmanager
 def _hub_errors(name: str, repo: str) -> Iterator[None]:
     """huggingface_hub's exceptions as the caller's answer: a missing adapter, a gated repo (400), a
-    hub out of reach (502, its cause in the log: an error may carry the mirror's address)."""
+    cache that cannot take the download (507), a hub out of reach (502, its cause in the log: an
+    error may carry the mirror's address)."""
     try:
         yield
-    except GatedRepoError:  # (before its base class, RepositoryNotFoundError)
-        raise AdapterError(name, f"is in a gated or private repo ({repo}) that HF_TOKEN cannot read") from None
-    except (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError):
-        raise _Missing from None
-    except LocalEntryNotFoundError as exc:  # (before its base class) offline, or the hub out of reach
-        if constants.HF_HUB_OFFLINE:
+    except HUB_ERRORS as exc:
+        failure = hub_failure(exc)
+        if failure is HubFailure.GATED:
+            raise AdapterError(name, f"is in a gated or private repo ({repo}) that HF_TOKEN cannot read") from None
+        if failure in _MISSING or (failure is HubFailure.NOT_CACHED and constants.HF_HUB_OFFLINE):
             raise _Missing from None
-        raise _unreachable(name, exc) from None
-    except (HfHubHTTPError, httpx2.HTTPError, OSError) as exc:
-        if isinstance(exc, OSError) and exc.errno in _CANNOT_WRITE:
-            raise _unwritable(name, exc) from None
+        if failure in (HubFailure.DISK_FULL, HubFailure.READ_ONLY):
+            raise _unwritable(name, exc, failure) from None
         raise _unreachable(name, exc) from None
 
 
-# The cache cannot take the download: read-only (RunPod's model cache), not ours, or full.
-_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT)
+_MISSING = (HubFailure.NO_REPO, HubFailure.NO_REVISION, HubFailure.NO_FILE)
 
 
-def _unwritable(name: str, exc: OSError) -> AdapterError:
+def _unwritable(name: str, exc: BaseException, failure: HubFailure) -> AdapterError:
     log.warning("LoRA adapter %s: the Hugging Face cache cannot take its download: %s", name, exc)
-    why = "is full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "is read-only here"
+    why = "is full" if failure is HubFailure.DISK_FULL else "is read-only here"
     return AdapterError(name, f"could not be fetched from the hub: the Hugging Face cache (HF_HOME) {why}; "
                               "put the adapter in a folder of LORA_DIRS or on the volume, or point HF_HOME at "
                               "a writable disk with room", HTTPStatus.INSUFFICIENT_STORAGE)

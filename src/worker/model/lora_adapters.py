@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from worker.model.adapter_files import CONFIG_FILE, NAME
 from worker.model.hub_adapters import AdapterError, HubAdapters
+from worker.model.repo_ids import is_repo_id
 
 
 __all__ = ["Adapter", "AdapterError", "AdapterSources", "CONFIG_FILE", "VLLM_LORA_RANKS"]
 
 # vLLM's choices for --max-lora-rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-_REPO_ID = re.compile(r"[\w.-]+/[\w.-]+")
 _MAX_DEPTH = 3
 
 
@@ -45,8 +44,9 @@ class Adapter:
     source: str  # where it was found, for logs: "volume", "image", "hub" or a folder
 
 
-def _is_repo_id(name: str) -> bool:
-    return bool(_REPO_ID.fullmatch(name)) and not name.startswith(".")
+def _names_a_repo(name: str) -> bool:
+    """A repo id with its owner (``org/name``): a bare name (a served name, ``gpt2``) tells no base model."""
+    return is_repo_id(name) and "/" in name
 
 
 def _normal(name: str) -> str:
@@ -107,10 +107,10 @@ class AdapterSources:
     def _base_model_problem(self, base: object) -> str | None:
         """Why the adapter's base model is not the served one, when its config tells (a hub repo
         id, and the served model is known by one too); a local path tells nothing."""
-        if not self.check_base_model or not isinstance(base, str) or not _is_repo_id(base):
+        if not self.check_base_model or not isinstance(base, str) or not _names_a_repo(base):
             return None
         served = {_normal(name) for name in self.served_names}
-        repos = sorted(name for name in self.served_names if _is_repo_id(name))
+        repos = sorted(name for name in self.served_names if _names_a_repo(name))
         if _normal(base) in served or not repos:
             return None
         return (f"was trained for base model '{base}', not the served '{repos[0]}' (its {CONFIG_FILE}'s "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from worker.model.repo_ids import is_path
 from worker.wire.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -16,8 +17,8 @@ __all__ = ["check_model_folder"]
 def check_model_folder(setting: Setting) -> None:
     """A model given as a path must be a model folder: say so now, not in a traceback later."""
     path = Path(str(setting.value))
-    if not (path.is_absolute() or str(setting.value).startswith(".")):
-        return  # a hub repo id
+    if not is_path(str(setting.value)):
+        return  # a hub repo id or a remote URI
     if not path.is_dir():
         problem = "no such directory"
     elif not (path / "config.json").is_file() and not any(path.glob("*.gguf")):

@@ -30,7 +30,6 @@ are its ``detail``, which only the log gets.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -44,18 +43,20 @@ from pathlib import Path
 import httpx2  # huggingface_hub's HTTP client
 import huggingface_hub
 from huggingface_hub import HfApi, constants, hf_hub_url, snapshot_download
-from huggingface_hub.errors import (
-    GatedRepoError,
-    HfHubHTTPError,
-    LocalEntryNotFoundError,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-    RevisionResolutionError,
-)
+from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RevisionResolutionError
 from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
 from worker.model.download_model import select_files
+from worker.model.hub_errors import (
+    HUB_ERRORS,
+    HubFailure,
+    endpoint_detail,
+    http_status,
+    hub_failure,
+    hub_name,
+    hub_url,
+)
 from worker.wire.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class RepoRequest:
 
 @dataclass(frozen=True)
 class ModelRequest:
-    """What the configuration asks for, read before vLLM (``settings.model_request``)."""
+    """What the configuration asks for, read before vLLM (``config/model_request``)."""
 
     model: RepoRequest
     tokenizer: RepoRequest | None = None  # only when it is another repo or revision
@@ -210,8 +211,8 @@ def _plan(request: RepoRequest, *, weights: bool) -> _Plan:
             info = HfApi().model_info(request.repo, revision=request.revision, files_metadata=True,
                                       timeout=request.timeout)
         except httpx2.TimeoutException:
-            raise StartupError(f"{_named(request)}: {_hub()} did not answer within {request.timeout:g} s "
-                               "(MODEL_PREFLIGHT_TIMEOUT)", detail=_endpoint(), transient=True) from None
+            raise StartupError(f"{_named(request)}: {hub_name()} did not answer within {request.timeout:g} s "
+                               "(MODEL_PREFLIGHT_TIMEOUT)", detail=endpoint_detail(), transient=True) from None
     siblings = {s.rfilename: s for s in info.siblings or ()}
     try:
         files = select_files(siblings, weights=weights)
@@ -348,14 +349,14 @@ def _access_error(request: RepoRequest, gated: bool) -> StartupError:
         return StartupError("HF_TOKEN: the hub refused the token (invalid or revoked); set HF_TOKEN to "
                             "a valid read token from huggingface.co/settings/tokens",
                             variables=("HF_TOKEN",))
-    page = f"{_hub_url()}/{request.repo}"
+    page = f"{hub_url()}/{request.repo}"
     if gated and token:
         return StartupError(f"{_named(request)} is gated, and the account of HF_TOKEN has no access: "
                             f"request access at {page}, or use a token of an account that has it",
-                            detail=_endpoint(), variables=("HF_TOKEN",))
+                            detail=endpoint_detail(), variables=("HF_TOKEN",))
     if gated:
         return StartupError(f"{_named(request)} is gated: accept its terms at {page}, then set HF_TOKEN "
-                            "to a read token of that account", detail=_endpoint(), variables=("HF_TOKEN",))
+                            "to a read token of that account", detail=endpoint_detail(), variables=("HF_TOKEN",))
     if token:
         return StartupError(f"{_named(request)}: no such repo on the hub, or it is private and the "
                             f"account of HF_TOKEN cannot read it: check {request.variable}",
@@ -370,50 +371,27 @@ def _explained(request: RepoRequest) -> Iterator[None]:
     """Hub errors as StartupErrors naming the variable to change; network failures transient."""
     try:
         yield
-    except GatedRepoError:  # before RepositoryNotFoundError: it is a subclass
-        raise _access_error(request, gated=True) from None
-    except RepositoryNotFoundError:
-        raise _access_error(request, gated=False) from None
-    except RevisionNotFoundError:
-        raise StartupError(f"{request.revision_variable}={request.revision!r}: no such branch, tag or "
-                           f"commit in {request.repo}", variables=(request.revision_variable,)) from None
-    except HfHubHTTPError as exc:
-        status = exc.response.status_code if exc.response is not None else None
-        if status == 401:
-            raise _access_error(request, gated=False) from None
-        raise StartupError(f"{_named(request)}: {_hub()} answered {status}", detail=_endpoint(exc),
-                           transient=status is None or status >= 500 or status == 429) from None
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise StartupError(f"{_named(request)}: the disk of the Hugging Face cache (HF_HOME) is full: "
-                               "give the endpoint a larger network volume (mounted at BASE_PATH)",
-                               detail=f"the cache: {constants.HF_HUB_CACHE}",
-                               variables=("BASE_PATH", "HF_HOME")) from None
-        raise StartupError(f"{_named(request)}: download failed ({exc.strerror or type(exc).__name__})",
-                           detail=_endpoint(exc), transient=True) from None
-    except httpx2.TransportError as exc:  # unreachable, or cut off mid-download
-        raise StartupError(f"{_named(request)}: download failed: cannot reach {_hub()}",
-                           detail=_endpoint(exc), transient=True) from None
+    except HUB_ERRORS as exc:
+        raise _startup_error(request, exc, hub_failure(exc)) from None
 
 
-def _mirror() -> bool:
-    return constants.ENDPOINT != constants._HF_DEFAULT_ENDPOINT
-
-
-def _hub() -> str:
-    """The hub, as a caller is told: a mirror by its variable (its address may carry credentials, and
-    says nothing a caller can act on)."""
-    return "the hub (HF_ENDPOINT)" if _mirror() else "the hub"
-
-
-def _hub_url() -> str:
-    """The hub's address for a repo's page, as a caller is told it: huggingface.co's, or a mirror's by
-    its variable."""
-    return "HF_ENDPOINT" if _mirror() else constants.ENDPOINT
-
-
-def _endpoint(exc: BaseException | None = None) -> str:
-    """For the log: the exception's own text and, for a mirror, its address (the log masks a URL's
-    credentials)."""
-    parts = [f"{type(exc).__name__}: {exc}"] if exc is not None else []
-    return "; ".join([*parts, *([f"HF_ENDPOINT={constants.ENDPOINT}"] if _mirror() else [])])
+def _startup_error(request: RepoRequest, exc: BaseException, failure: HubFailure) -> StartupError:
+    if failure in (HubFailure.GATED, HubFailure.NO_REPO, HubFailure.REFUSED):
+        return _access_error(request, gated=failure is HubFailure.GATED)
+    if failure is HubFailure.NO_REVISION:
+        return StartupError(f"{request.revision_variable}={request.revision!r}: no such branch, tag or "
+                            f"commit in {request.repo}", variables=(request.revision_variable,))
+    if failure in (HubFailure.HTTP, HubFailure.NO_FILE):
+        status = http_status(exc)
+        return StartupError(f"{_named(request)}: {hub_name()} answered {status}", detail=endpoint_detail(exc),
+                            transient=status is None or status >= 500 or status == 429)
+    if failure is HubFailure.DISK_FULL:
+        return StartupError(f"{_named(request)}: the disk of the Hugging Face cache (HF_HOME) is full: "
+                            "give the endpoint a larger network volume (mounted at BASE_PATH)",
+                            detail=f"the cache: {constants.HF_HUB_CACHE}", variables=("BASE_PATH", "HF_HOME"))
+    if failure is HubFailure.UNREACHABLE:  # unreachable, or cut off mid-download
+        return StartupError(f"{_named(request)}: download failed: cannot reach {hub_name()}",
+                            detail=endpoint_detail(exc), transient=True)
+    reason = getattr(exc, "strerror", None) or type(exc).__name__
+    return StartupError(f"{_named(request)}: download failed ({reason})", detail=endpoint_detail(exc),
+                        transient=True)

@@ -42,8 +42,7 @@ def failure_item(failure: StartupError, job: Any) -> ErrorPayload:
     job_input = job.get("input") if isinstance(job, dict) else None
     route = job_input.get("openai_route") if isinstance(job_input, dict) else None
     anthropic = isinstance(route, str) and is_anthropic_route(route)
-    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, f"the worker could not start: {failure.answer}",
-                          anthropic=anthropic)
+    return error_response(HTTPStatus.SERVICE_UNAVAILABLE, failure.refusal, anthropic=anthropic)
 
 
 def _end_window(status: int) -> None:

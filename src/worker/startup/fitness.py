@@ -24,7 +24,9 @@ killed before it has answered. The checks:
   that fails or times out falls back, as the SDK's does, to ``nvidia-smi --list-gpus``: listing a GPU
   passes (with a warning in the log).
 
-RUNPOD_SKIP_AUTO_SYSTEM_CHECKS skips all but ``gpu_test``, as in the SDK.
+RUNPOD_SKIP_AUTO_SYSTEM_CHECKS skips all but ``gpu_test``, as in the SDK. The settings are read where
+the SDK would run the checks (``fitness_settings``: on RunPod), into ``FitnessSettings`` through the
+settings layer (``config/settings.read_settings``).
 
 One decision differs from the SDK's, on purpose: a GPU that ``nvidia-smi`` lists but torch cannot
 see (``torch.cuda`` finds none) fails the start, where the SDK skips its CUDA checks. vLLM, which
@@ -44,15 +46,19 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from worker.config.settings import FitnessSettings
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from worker.config.early_settings import endpoint_kind
+from worker.config.settings import env_alias, env_names, read_settings
+from worker.env_text import env_value
 from worker.wire.errors import StartupError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check", "hand_over"]
+__all__ = ["FitnessSettings", "check", "fitness_settings", "hand_over"]
 
 GB = 1024**3  # the SDK's gigabytes
 PROBE_SECONDS = 120.0  # for the child process that initialises the GPUs: importing torch is slow
@@ -60,6 +66,55 @@ PROBE_SECONDS = 120.0  # for the child process that initialises the GPUs: import
 # marker is the one later SDK releases read to skip checks a parent process ran).
 SDK_SWITCHES = {"RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true", "RUNPOD_SKIP_GPU_CHECK": "true",
                 "RUNPOD_FITNESS_CHECKS_DONE": "true"}
+
+
+class FitnessSettings(BaseModel):
+    """The checks' settings: the runpod SDK's variables and defaults, and the network check's target
+    (the SDK dials a public DNS server; tests point it at loopback). The SDK reads its two switches
+    as ``"true"`` alone; the worker reads them as every boolean of its own (``1``, ``yes``, ``on`` too),
+    and its reading is the one that holds: ``hand_over`` sets both to ``"true"`` for the SDK."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    skip_system: bool = Field(False, validation_alias=env_alias("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS"))
+    skip_gpu_test: bool = Field(False, validation_alias=env_alias("RUNPOD_SKIP_GPU_CHECK"))
+    min_memory_gb: float = Field(4.0, ge=0, allow_inf_nan=False,
+                                 validation_alias=env_alias("RUNPOD_MIN_MEMORY_GB"))
+    min_disk_percent: float = Field(10.0, ge=0, le=100, allow_inf_nan=False,
+                                    validation_alias=env_alias("RUNPOD_MIN_DISK_PERCENT"))
+    min_cuda_version: str = Field("11.8", pattern=r"^\d+\.\d+$",
+                                  validation_alias=env_alias("RUNPOD_MIN_CUDA_VERSION"))
+    network_check_timeout: float = Field(5.0, gt=0, allow_inf_nan=False,
+                                         validation_alias=env_alias("RUNPOD_NETWORK_CHECK_TIMEOUT"))
+    gpu_benchmark_timeout: float = Field(2.0, gt=0, allow_inf_nan=False,
+                                         validation_alias=env_alias("RUNPOD_GPU_BENCHMARK_TIMEOUT"))
+    gpu_test_timeout: float = Field(30.0, gt=0, allow_inf_nan=False,
+                                    validation_alias=env_alias("RUNPOD_GPU_TEST_TIMEOUT"))
+    gpu_test_path: str | None = Field(None, validation_alias=env_alias("RUNPOD_BINARY_GPU_TEST_PATH"))
+    network_check_target: str = Field("8.8.8.8:53", pattern=r"^\S+:\d{1,5}$",
+                                      validation_alias=env_alias("NETWORK_CHECK_TARGET"))
+
+    @field_validator("network_check_target")
+    @classmethod
+    def _port_in_range(cls, target: str) -> str:
+        if not 0 < int(target.rpartition(":")[2]) < 65536:
+            raise ValueError("the port must be 1 to 65535")
+        return target
+
+    @property
+    def network_address(self) -> tuple[str, int]:
+        host, _, port = self.network_check_target.rpartition(":")
+        return host.strip("[]"), int(port)
+
+
+def fitness_settings(env: Mapping[str, str] | None = None) -> FitnessSettings | None:
+    """The fitness checks' settings where the runpod SDK would run them, on RunPod: a queue
+    endpoint's worker (RUNPOD_WEBHOOK_GET_JOB set), or a load-balancing one's; else None.
+    Raises ConfigError for a bad value."""
+    env = os.environ if env is None else env
+    if env_value("RUNPOD_WEBHOOK_GET_JOB", env) is None and not endpoint_kind(env).load_balancer:
+        return None
+    return read_settings(env, env_names(FitnessSettings), FitnessSettings)
 
 
 def hand_over() -> None:

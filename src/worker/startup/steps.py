@@ -3,7 +3,7 @@
 0. ``fitness_checks``: RunPod's fitness checks of the host (``startup/fitness``);
 1. ``fetch_model``: the hub checks and download of ``model/preflight``, before vLLM is imported
    (its phases told to the start-up watchdog);
-2. ``config/settings.load_config``: every setting, parsed by vLLM's parser (``ConfigError``);
+2. ``read_config``: every setting, parsed by vLLM's parser (``config/worker_config``, ``ConfigError``);
 3. ``start_engine``: vLLM's configuration (``ConfigError``: a combination vLLM rejects, an
    architecture it does not serve, a length that cannot fit the GPUs), then the engine.
 
@@ -31,14 +31,15 @@ from worker.wire.errors import StartupError
 
 if TYPE_CHECKING:
     from worker.config.engine_args import ResolvedArgs
-    from worker.config.settings import WorkerConfig
+    from worker.config.worker_config import WorkerConfig
     from worker.engine.vllm_engine import vLLMEngine
     from worker.model.preflight import Fetched, OnPhase
     from worker.scheduling.concurrency import Concurrency
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RETRIED_UNLESS_CHOSEN", "chose", "engine_failure", "fetch_model", "fitness_checks", "start_engine"]
+__all__ = ["RETRIED_UNLESS_CHOSEN", "chose", "engine_failure", "fetch_model", "fitness_checks", "read_config",
+           "start_engine"]
 
 RETRY_PAUSE_SECONDS = 3.0  # before a transient failure is tried again
 OOM_UTILIZATION_STEP = 0.1  # an out-of-memory start is tried again with this much less memory
@@ -62,8 +63,7 @@ def fitness_checks() -> Callable[[], None]:
     """RunPod's fitness checks (``startup/fitness``) where the runpod SDK would run them, to run as the
     start's first step. Their settings are read now, then the SDK's own run is switched off
     (``hand_over``), before anything can call the SDK, a failed start's answers included."""
-    from worker.config.settings import fitness_settings
-    from worker.startup.fitness import check, hand_over
+    from worker.startup.fitness import check, fitness_settings, hand_over
 
     try:
         settings = fitness_settings()
@@ -85,11 +85,21 @@ def _nothing() -> None:
 def fetch_model(on_phase: OnPhase) -> tuple[Fetched, Fetched | None] | None:
     """The model's (and another tokenizer repo's) local snapshots, when a hub repo is configured;
     ``on_phase`` is told of each check and download (``Watchdog.enter``)."""
-    from worker.config.settings import model_request
+    from worker.config.model_request import model_request
     from worker.model.preflight import prepare
 
     request = model_request()
     return _once_more(lambda: prepare(request, on_phase), "Model download") if request else None
+
+
+def read_config(downloaded: tuple[Fetched, Fetched | None] | None) -> WorkerConfig:
+    """Every setting (``config/worker_config.load_config``), the model served from ``downloaded``; the
+    fitness checks' variables, read in their first step, are known to its near-miss warnings."""
+    from worker.config.settings import env_names
+    from worker.config.worker_config import load_config
+    from worker.startup.fitness import FitnessSettings
+
+    return load_config(downloaded=downloaded, also_read=env_names(FitnessSettings))
 
 
 # Flags a failed start is retried with lower, unless the user chose them: the console forms leave them

@@ -59,6 +59,11 @@ class StartupError(WorkerError):
         return answer_text(str(self))
 
     @property
+    def refusal(self) -> str:
+        """What every job and request of a worker that could not start is answered with."""
+        return f"the worker could not start: {self.answer}"
+
+    @property
     def logged(self) -> str:
         """What the log gets: the message and its detail (the log masks URL credentials itself)."""
         return f"{self} [{self.detail}]" if self.detail else str(self)
