@@ -145,10 +145,11 @@ class WorkerApp:
 
     def _refusal(self, scope: dict) -> tuple[int, str] | None:
         """Why this request gets an error without reaching vLLM or the engine, if it does."""
+        if self.phase is Phase.FAILED and self.failure is not None:
+            return HTTPStatus.SERVICE_UNAVAILABLE, self.failure.refusal
         if self.phase is not Phase.SERVING:
             return HTTPStatus.SERVICE_UNAVAILABLE, {
                 Phase.STARTING: "the worker is starting: its /ping answers 200 once it serves",
-                Phase.FAILED: f"the worker could not start: {self.failure and self.failure.answer}",
                 Phase.DRAINING: "the worker is shutting down: send the request again, to another worker",
             }[self.phase]
         if (size := content_length(scope)) is not None and size > self.max_body_bytes:
