@@ -83,8 +83,9 @@ def _no_usage_stats() -> None:
 # vLLM starts its engine core's and its workers' processes by this method. Its CPU platform writes
 # "spawn" whenever it builds a configuration (a default one too), so that each process imports vLLM
 # again: 8 s of a core each, two per start. The worker forks them on the CPU, as vLLM does on a GPU:
-# its own process never runs the model, so no OpenMP thread pool is copied into them. The user's
-# value, read before any configuration is built (importing this module builds none), is kept.
+# its own process never runs the model, so no OpenMP thread pool is copied into them, and no
+# import is half done in them (startup/serving_imports). The user's value, read before any
+# configuration is built (importing this module builds none), is kept.
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 _USERS_START_METHOD = env_value(START_METHOD_ENV, os.environ)
 
