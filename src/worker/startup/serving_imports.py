@@ -10,6 +10,7 @@ flight, never starts in the middle of one."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -26,7 +27,6 @@ FORK_WAIT_SECONDS = 60.0
 
 _importing = threading.RLock()  # held through one import, and by a forking thread through its fork
 _forking = threading.local()  # whether this thread's fork holds _importing
-_guarded: list[bool] = []
 
 
 def start() -> threading.Thread:
@@ -49,12 +49,11 @@ def _import_all() -> None:
         return
 
 
+@functools.cache
 def _guard_forks() -> None:
     """Registered late, once: ``os.fork`` runs the handlers registered last first, so a fork waits
     here before it takes the locks of modules imported earlier (logging's, which an import needs)."""
-    if not _guarded:
-        os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
-        _guarded.append(True)
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
 
 
 def _before_fork() -> None:
