@@ -27,8 +27,8 @@ Outside this layer the environment is touched on purpose in these places only:
   and ``_note_phase`` in each engine process, ``engine_failure`` and ``engine_phase`` in the worker's);
 - ``vllm_adapter/engine_env.engine_process_env``: the one place the worker sets what vLLM's engine processes
   inherit: VLLM_NO_USAGE_STATS=1 (no usage statistics sent) unless the operator set it false, and on
-  the CPU VLLM_USE_AOT_COMPILE and TORCHINDUCTOR_CACHE_DIR (``_cpu_compile_cache``) unless the user
-  set them (``_users_own``).
+  the CPU VLLM_WORKER_MULTIPROC_METHOD=fork (``_start_method``), VLLM_USE_AOT_COMPILE and
+  TORCHINDUCTOR_CACHE_DIR (``_cpu_compile_cache``) unless the user set them (``_users_own``).
 - ``startup/fitness.hand_over``: sets the runpod SDK's RUNPOD_SKIP_AUTO_SYSTEM_CHECKS,
   RUNPOD_SKIP_GPU_CHECK and RUNPOD_FITNESS_CHECKS_DONE, once the worker has read them
   (``fitness_settings``) to run the checks itself;
