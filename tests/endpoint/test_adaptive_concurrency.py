@@ -5,12 +5,14 @@ waiting requests, KV-cache usage, requests started, finished and preempted; benc
 
 - Two workers share a burst of 200 jobs: both take work at once, and neither lets its engine queue
   jobs while the other has free slots.
-- One worker with a KV cache too small for the jobs it is given: from the first burst on, vLLM runs
-  what fits whole and never preempts, the worker holds what fits and a few more, and every job
-  completes.
+- One worker with a KV cache too small for the jobs it is given, ``KV_OVERCOMMIT=0``: from the first
+  burst on, vLLM runs what fits whole and never preempts, the worker holds what fits and a few more,
+  and every job completes.
 - Two such workers with a slow job take (the endpoint's ``--job-take-delay``): both take their share,
   each holds a few jobs beyond what fits (those finishing in one job take), never more, and neither
   preempts.
+- One such worker with ``KV_OVERCOMMIT``'s default: vLLM starts more than fits whole, as many as the
+  plan lets in, preempts as the cache fills, and every job completes.
 
 ``-n 0 -s`` (one process, output shown) prints each worker's jobs held and vLLM's waiting requests over time.
 """
@@ -28,9 +30,11 @@ from local_endpoint import API_KEY, LocalEndpoint
 from bench.load_trace import (TRACE_WORKER, failures, queued_while_others_had_room, raw_job, read_all, report,
                               run_burst, trace_env)
 from tests.engine.vllm_server import vllm_servers
+from worker.config.settings import WorkerSettings
 from worker.scheduling.concurrency import QUEUE_SHARE, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
+OVERCOMMIT = WorkerSettings.model_fields["kv_overcommit"].default
 
 
 def traced_endpoint(env: dict[str, str], workers: int, folder: Path) -> LocalEndpoint:
@@ -86,7 +90,8 @@ KV_BYTES, LONG_TOKENS, LONG_JOBS = 4 * 2**20, 240, 64
 
 @pytest.fixture(scope="module")
 def small_kv_env(models) -> dict[str, str]:
-    return engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES))
+    """The gate that lets in only what fits whole (no overcommit)."""
+    return engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), KV_OVERCOMMIT="0")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +159,8 @@ TAKE_DELAY = 0.2  # seconds: the endpoint hands a worker the jobs it took this l
 @pytest.fixture(scope="module")
 def two_small_kv_workers(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-small-kv")
-    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), JOB_TAKE_LATENCY=str(TAKE_DELAY))
+    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), JOB_TAKE_LATENCY=str(TAKE_DELAY),
+                     KV_OVERCOMMIT="0")
     endpoint = LocalEndpoint({**env, **trace_env(folder, pin_engines=True)}, 2, folder / "endpoint.log",
                              handler=str(TRACE_WORKER), args=("--job-take-delay", str(TAKE_DELAY)))
     yield endpoint, folder
@@ -180,3 +186,32 @@ def test_with_a_slow_job_take_each_worker_holds_a_few_jobs_beyond_what_fits_and_
         # frees a slot first.
         assert fits < max(s.target for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
         assert max(s.held for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
+
+
+# --- a small KV cache, KV_OVERCOMMIT's default --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overcommitted_worker(models, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small-kv-overcommitted")
+    endpoint = traced_endpoint(engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES)), 1, folder)
+    yield endpoint, folder
+    endpoint.stop()
+
+
+def test_overcommitted_the_engine_starts_that_share_more_than_fits_preempts_as_it_fills_and_ends_every_job(
+        overcommitted_worker):
+    endpoint, folder = overcommitted_worker
+    kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", endpoint.log())[1].replace(",", ""))
+    submitted, statuses = burst(endpoint, LONG_JOBS, LONG_TOKENS)  # every job ends with all its tokens
+    prompt = statuses[0]["output"][0]["usage"]["input"]
+    blocks, need = kv_tokens // BLOCK - 1, math.ceil((prompt + LONG_TOKENS) / BLOCK)
+    planned = int(blocks * (1 + OVERCOMMIT)) // need
+    (trace,) = read_all(folder, since=submitted).values()
+    print(f"\n{LONG_JOBS} jobs of {prompt}+{LONG_TOKENS} tokens, {blocks // need} fit whole, {planned} as "
+          f"planned with KV_OVERCOMMIT={OVERCOMMIT:g}:\n{report({'worker': trace}, submitted, every=1.0)}")
+    # vLLM starts more than fit whole, as many as the plan lets in (it would start every request whose
+    # prompt fits: all 64), and preempts those the cache cannot hold as they grow.
+    assert blocks // need < max(s.running for s in trace) <= planned
+    assert sum(s.preempted for s in trace) > 0
+    assert max(s.held for s in trace) <= planned + math.ceil(QUEUE_SHARE * planned)

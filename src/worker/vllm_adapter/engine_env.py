@@ -114,8 +114,9 @@ def _spawn_in_forked_children() -> None:
 
 
 def _spawn_here() -> None:
-    os.environ[START_METHOD_ENV] = "spawn"
-    reread_envs()
+    if not _USERS_START_METHOD:
+        os.environ[START_METHOD_ENV] = "spawn"
+        reread_envs()
 
 
 def reread_envs() -> None:
