@@ -41,7 +41,7 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--reps", type=int, help="repetitions of each item's loads (a noisy figure's spread "
                                                  "shrinks with more), instead of 3")
     parser.add_argument("--kv-overcommit", help="item 20's workers: comma-separated KV_OVERCOMMIT values, "
-                                                "instead of the worker's default and 0")
+                                                "instead of 0 and 1")
     args = parser.parse_args()
     if unknown := set(args.parts.split(",")) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")

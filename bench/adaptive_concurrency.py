@@ -155,9 +155,8 @@ def small_kv(plan: Plan, results: Results) -> None:
     item = "15 small KV cache"
     logs = Path(tempfile.mkdtemp(prefix="bench-small-kv-"))
     # Both sides collect vLLM's statistics: the worker's controller needs them, vllm serve reports
-    # its preemptions and load through them (/metrics). The worker lets in only what fits whole
-    # (KV_OVERCOMMIT=0): item 20 measures its default.
-    env = _tiny_env(plan, KV_CACHE_MEMORY_BYTES=str(SMALL_KV), DISABLE_LOG_STATS="false", KV_OVERCOMMIT="0")
+    # its preemptions and load through them (/metrics).
+    env = _tiny_env(plan, KV_CACHE_MEMORY_BYTES=str(SMALL_KV), DISABLE_LOG_STATS="false")
     env.pop("DTYPE", None)  # its own (bfloat16), for which SMALL_KV is sized
     bursts: dict[str, list[Burst]] = {}
     worker = Endpoint({**env, **load_trace.trace_env(logs)}, logs / "worker.log",

@@ -20,7 +20,6 @@ T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "src"), str(REPO / "scripts")]
 from dev_env import CPU_ENV  # noqa: E402 - sets the CPU settings in this process, as the tests do
-from worker.config.settings import WorkerSettings  # noqa: E402
 
 MODELS_ROOT = REPO / ".cache" / "models"
 
@@ -67,9 +66,9 @@ class Plan:
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
     adaptive_concurrency: tuple[int, ...] = (16, 64, 128)  # item 13
-    # item 20: a worker for each KV_OVERCOMMIT (the worker's default, and the gate that lets in only
-    # what fits whole); a trade-off curve takes more (--kv-overcommit)
-    kv_overcommit: tuple[float, ...] = (WorkerSettings.model_fields["kv_overcommit"].default, 0.0)
+    # item 20: a worker for each KV_OVERCOMMIT: the default (0, what fits whole), and 1 (about as many
+    # as vllm serve starts); a trade-off curve takes more (--kv-overcommit)
+    kv_overcommit: tuple[float, ...] = (0.0, 1.0)
     # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
     # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
     dtype: str | None = None

@@ -5,14 +5,14 @@ waiting requests, KV-cache usage, requests started, finished and preempted; benc
 
 - Two workers share a burst of 200 jobs: both take work at once, and neither lets its engine queue
   jobs while the other has free slots.
-- One worker with a KV cache too small for the jobs it is given, ``KV_OVERCOMMIT=0``: from the first
-  burst on, vLLM runs what fits whole and never preempts, the worker holds what fits and a few more,
-  and every job completes.
+- One worker with a KV cache too small for the jobs it is given: from the first burst on, vLLM runs
+  what fits whole and never preempts, the worker holds what fits and a few more, and every job
+  completes.
 - Two such workers with a slow job take (the endpoint's ``--job-take-delay``): both take their share,
   each holds a few jobs beyond what fits (those finishing in one job take), never more, and neither
   preempts.
-- One such worker with ``KV_OVERCOMMIT``'s default: vLLM starts more than fits whole, as many as the
-  plan lets in, preempts as the cache fills, and every job completes.
+- One such worker with ``KV_OVERCOMMIT=1``: vLLM starts more than fits whole, as many as the plan
+  lets in, preempts as the cache fills, and every job completes.
 
 ``-n 0 -s`` (one process, output shown) prints each worker's jobs held and vLLM's waiting requests over time.
 """
@@ -30,11 +30,10 @@ from local_endpoint import API_KEY, LocalEndpoint
 from bench.load_trace import (TRACE_WORKER, failures, queued_while_others_had_room, raw_job, read_all, report,
                               run_burst, trace_env)
 from tests.engine.vllm_server import vllm_servers
-from worker.config.settings import WorkerSettings
 from worker.scheduling.concurrency import QUEUE_SHARE, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
-OVERCOMMIT = WorkerSettings.model_fields["kv_overcommit"].default
+OVERCOMMIT = 1.0  # KV_OVERCOMMIT: about as many as vllm serve starts in a burst
 
 
 def traced_endpoint(env: dict[str, str], workers: int, folder: Path) -> LocalEndpoint:
@@ -90,8 +89,7 @@ KV_BYTES, LONG_TOKENS, LONG_JOBS = 4 * 2**20, 240, 64
 
 @pytest.fixture(scope="module")
 def small_kv_env(models) -> dict[str, str]:
-    """The gate that lets in only what fits whole (no overcommit)."""
-    return engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), KV_OVERCOMMIT="0")
+    return engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES))
 
 
 @pytest.fixture(scope="module")
@@ -159,8 +157,7 @@ TAKE_DELAY = 0.2  # seconds: the endpoint hands a worker the jobs it took this l
 @pytest.fixture(scope="module")
 def two_small_kv_workers(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("two-small-kv")
-    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), JOB_TAKE_LATENCY=str(TAKE_DELAY),
-                     KV_OVERCOMMIT="0")
+    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), JOB_TAKE_LATENCY=str(TAKE_DELAY))
     endpoint = LocalEndpoint({**env, **trace_env(folder, pin_engines=True)}, 2, folder / "endpoint.log",
                              handler=str(TRACE_WORKER), args=("--job-take-delay", str(TAKE_DELAY)))
     yield endpoint, folder
@@ -188,13 +185,14 @@ def test_with_a_slow_job_take_each_worker_holds_a_few_jobs_beyond_what_fits_and_
         assert max(s.held for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
 
 
-# --- a small KV cache, KV_OVERCOMMIT's default --------------------------------------------------
+# --- a small KV cache, KV_OVERCOMMIT=1 -------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def overcommitted_worker(models, tmp_path_factory):
     folder = tmp_path_factory.mktemp("small-kv-overcommitted")
-    endpoint = traced_endpoint(engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES)), 1, folder)
+    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), KV_OVERCOMMIT=str(OVERCOMMIT))
+    endpoint = traced_endpoint(env, 1, folder)
     yield endpoint, folder
     endpoint.stop()
 
