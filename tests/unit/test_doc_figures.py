@@ -42,7 +42,6 @@ NOT_MEASURED = {
     ("compatibility.md", "0.92"): GPU_MEMORY,
     ("concurrency.md", "0.1"): "JOB_TAKE_LATENCY's default; the runpod SDK's wait before a taken job starts",
     ("concurrency.md", "0.2"): "the job take the adaptive-concurrency test sets",
-    ("concurrency.md", "4.2"): "read from the controller's trace in an item 20 run, which RESULTS.md lacks",
     ("concurrency.md", "30.8"): VLLM_PUBLISHED,
     ("concurrency.md", "31.8"): VLLM_PUBLISHED,
     ("configuration.md", "0.92"): GPU_MEMORY,
