@@ -7,8 +7,8 @@ on ``Plan.latency_model`` and the stub worker), ``start`` (10-12: start-up besid
 compile cache cold and warm, weight load formats, on ``Plan.latency_model``), ``concurrency`` (13-16:
 adaptive concurrency beside ``vllm serve`` and a fixed 30, two workers under a burst, a small KV cache,
 the controller's cost), ``image`` (17-19: the CPU image built with buildah, cold and cached, its
-layers, its start-up beside the checkout's), ``kv`` (20: under KV pressure beside ``vllm serve``, with 0
-and 100 ms of job-take delay), ``lora`` (21: many LoRA adapters by name beside ``vllm serve``, their
+layers, its start-up beside the checkout's), ``kv`` (20: bursts beyond the KV cache beside ``vllm serve``,
+at 64 and 128 streams and a mixed load, a worker per ``KV_OVERCOMMIT``), ``lora`` (21: many LoRA adapters by name beside ``vllm serve``, their
 first use), ``lb`` (22: the load-balancing endpoint beside ``vllm serve``, queue mode and its worker
 alone), ``cache`` (23: a start from RunPod's read-only model cache beside one from a network-volume copy). A run writes its parts' sections of ``bench/RESULTS.md`` (keeping the other parts' sections)
 and their charts; ``--quick`` (tiny model, short streams, two repetitions) writes them to a temporary
@@ -40,6 +40,8 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--concurrency", help="comma-separated concurrent streams, instead of 1,16,64")
     parser.add_argument("--reps", type=int, help="repetitions of each item's loads (a noisy figure's spread "
                                                  "shrinks with more), instead of 3")
+    parser.add_argument("--kv-overcommit", help="item 20's workers: comma-separated KV_OVERCOMMIT values, "
+                                                "instead of 0 and 1")
     args = parser.parse_args()
     if unknown := set(args.parts.split(",")) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
@@ -61,8 +63,7 @@ ON_LATENCY_MODEL = (
      job_start.run_model),
     ("concurrency", "items 13-16, adaptive concurrency beside vllm serve on {model}, two workers, a small KV "
                     "cache, the controller's cost", adaptive_concurrency.run),
-    ("kv", f"item 20, under KV pressure beside vllm serve on {{model}}, 0 and "
-           f"{kv_pressure.TAKE_DELAY * 1000:.0f} ms job take", kv_pressure.run),
+    ("kv", "item 20, bursts beyond the KV cache beside vllm serve on {model}", kv_pressure.run),
     ("lora", f"item 21, {lora_adapters.ADAPTERS} LoRA adapters by name beside vllm serve on {{model}}, "
              "their first use", lora_adapters.run),
     ("lb", "item 22, the load balancer beside vllm serve, queue mode and its worker alone (vllm bench) on "
@@ -93,7 +94,8 @@ def _plan(args: argparse.Namespace) -> common.Plan:
     plan = common.QUICK if args.quick else common.Plan()
     given = {"models": args.models and tuple(args.models.split(",")), "dtype": args.dtype,
              "concurrency": args.concurrency and tuple(int(n) for n in args.concurrency.split(",")),
-             "reps": args.reps}
+             "reps": args.reps,
+             "kv_overcommit": args.kv_overcommit and tuple(float(x) for x in args.kv_overcommit.split(","))}
     return dataclasses.replace(plan, **{name: value for name, value in given.items() if value})
 
 

@@ -33,7 +33,7 @@ PARTS = {"stub": ("Worker cost per token (stub worker, no model)", (4,)),
          "concurrency": ("Adaptive concurrency: beside vllm serve, two workers, a small KV cache, cost",
                          (13, 14, 15, 16)),
          "image": ("The CPU image: build time, size per layer, start-up beside the checkout", (17, 18, 19)),
-         "kv": ("Under KV pressure: beside vllm serve at 64 and 128, with 0 and 100 ms job take", (20,)),
+         "kv": ("Bursts beyond the KV cache: beside vllm serve at 64 and 128 streams, and a mixed load", (20,)),
          "lora": ("Many LoRA adapters: beside vllm serve, beside the base model, first use", (21,)),
          "lb": ("The load balancer: beside vllm serve, queue mode and its worker alone (vllm bench)", (22,)),
          "cache": ("RunPod's model cache: a start beside one from a network-volume copy", (23,))}
@@ -66,6 +66,9 @@ class Plan:
     trace_requests: int = 50  # items 8 and 9: sequential requests per worker and loop
     trace_max_tokens: int = 8  # item 9's real-worker requests
     adaptive_concurrency: tuple[int, ...] = (16, 64, 128)  # item 13
+    # item 20: a worker for each KV_OVERCOMMIT: the default (0, what fits whole), and 1 (about as many
+    # as vllm serve starts); a trade-off curve takes more (--kv-overcommit)
+    kv_overcommit: tuple[float, ...] = (0.0, 1.0)
     # None: each model's own dtype (bfloat16). A CPU without native bf16 (no AVX-512 BF16 or AMX)
     # runs bf16 through torch's slow fallback, some 3x slower than float32: --dtype float32 there.
     dtype: str | None = None

@@ -79,9 +79,9 @@ def vllm_bench(server: Server, model_path: str, n: int, prompts: int, output_tok
 
 
 def vllm_bench_result(server: Server, model_path: str, n: int, prompts: int, output_tokens: int,
-                      percentiles: str = "99", more: tuple[str, ...] = ()) -> dict:
+                      percentiles: str = "99", more: tuple[str, ...] = (), ignore_eos: bool = True) -> dict:
     """One ``vllm.benchmarks.serve`` run of ``prompts`` chats, ``n`` at a time: its result file.
-    ``more``: further command-line arguments."""
+    ``more``: further command-line arguments; ``ignore_eos``: every output ``output_tokens`` long."""
     flags = {"--backend": "openai-chat", "--base-url": server.base_url.removesuffix("/v1"),
              "--endpoint": "/v1/chat/completions", "--model": model_path, "--tokenizer": model_path,
              "--dataset-name": "random", "--random-input-len": INPUT_TOKENS,
@@ -90,7 +90,7 @@ def vllm_bench_result(server: Server, model_path: str, n: int, prompts: int, out
              "--percentile-metrics": "ttft,tpot,itl,e2el", "--metric-percentiles": percentiles}
     with tempfile.TemporaryDirectory(prefix="bench-vllm-bench-") as out:
         run = subprocess.run([sys.executable, "-c", VLLM_BENCH, *(str(x) for kv in flags.items() for x in kv),
-                              "--ignore-eos", "--disable-tqdm", "--save-result", "--result-dir", out, *more],
+                              *(["--ignore-eos"] if ignore_eos else []), "--disable-tqdm", "--save-result", "--result-dir", out, *more],
                              cwd=REPO, check=True, capture_output=True, text=True)
         result = json.loads((Path(out) / "result.json").read_text())
     if result["completed"] != prompts:

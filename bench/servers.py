@@ -49,7 +49,11 @@ class Server:
         self.port = free_port()
         self.env, self.log_path = env, log_path
         argv, launch_env = self._on_port(argv, env)
-        self.proc = subprocess.Popen(argv, cwd=REPO, env={**os.environ, **launch_env},
+        # The worker's own start methods for vLLM's processes, as deployed: cpu-dev.env's "fork" is
+        # the suite's (vllm serve spawns on the CPU whatever it is given).
+        launch_env = {name: value for name, value in {**os.environ, **launch_env}.items()
+                      if name != "VLLM_WORKER_MULTIPROC_METHOD"}
+        self.proc = subprocess.Popen(argv, cwd=REPO, env=launch_env,
                                      stdout=log_path.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:

@@ -185,7 +185,7 @@ def start_engine(config: WorkerConfig, *, warm_up: bool = True) -> tuple[vLLMEng
 
     settings = config.settings
     jobs = Concurrency(settings.min_concurrency, settings.max_concurrency, held=lambda: deadlines.running,
-                       take_latency=settings.job_take_latency)
+                       take_latency=settings.job_take_latency, kv_overcommit=settings.kv_overcommit)
     # A fixed number needs no scheduler statistics (which cost the engine some CPU per token), and
     # no KV budget: the jobs held all go to vLLM, as worker-vllm's do (the gate refuses n > MAX_N).
     gate = Admission(lambda: jobs.kv, settings.max_n)

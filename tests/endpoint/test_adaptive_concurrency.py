@@ -11,6 +11,8 @@ waiting requests, KV-cache usage, requests started, finished and preempted; benc
 - Two such workers with a slow job take (the endpoint's ``--job-take-delay``): both take their share,
   each holds a few jobs beyond what fits (those finishing in one job take), never more, and neither
   preempts.
+- One such worker with ``KV_OVERCOMMIT=1``: vLLM starts more than fits whole, as many as the plan
+  lets in, preempts as the cache fills, and every job completes.
 
 ``-n 0 -s`` (one process, output shown) prints each worker's jobs held and vLLM's waiting requests over time.
 """
@@ -31,6 +33,7 @@ from tests.engine.vllm_server import vllm_servers
 from worker.scheduling.concurrency import QUEUE_SHARE, START
 
 BLOCK = 128  # tokens per KV-cache block on the CPU
+OVERCOMMIT = 1.0  # KV_OVERCOMMIT: about as many as vllm serve starts in a burst
 
 
 def traced_endpoint(env: dict[str, str], workers: int, folder: Path) -> LocalEndpoint:
@@ -180,3 +183,33 @@ def test_with_a_slow_job_take_each_worker_holds_a_few_jobs_beyond_what_fits_and_
         # frees a slot first.
         assert fits < max(s.target for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
         assert max(s.held for s in trace) <= fits + math.ceil(QUEUE_SHARE * fits)
+
+
+# --- a small KV cache, KV_OVERCOMMIT=1 -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def overcommitted_worker(models, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("small-kv-overcommitted")
+    env = engine_env(models["tiny-llama"], KV_CACHE_MEMORY_BYTES=str(KV_BYTES), KV_OVERCOMMIT=str(OVERCOMMIT))
+    endpoint = traced_endpoint(env, 1, folder)
+    yield endpoint, folder
+    endpoint.stop()
+
+
+def test_overcommitted_the_engine_starts_that_share_more_than_fits_preempts_as_it_fills_and_ends_every_job(
+        overcommitted_worker):
+    endpoint, folder = overcommitted_worker
+    kv_tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", endpoint.log())[1].replace(",", ""))
+    submitted, statuses = burst(endpoint, LONG_JOBS, LONG_TOKENS)  # every job ends with all its tokens
+    prompt = statuses[0]["output"][0]["usage"]["input"]
+    blocks, need = kv_tokens // BLOCK - 1, math.ceil((prompt + LONG_TOKENS) / BLOCK)
+    planned = int(blocks * (1 + OVERCOMMIT)) // need
+    (trace,) = read_all(folder, since=submitted).values()
+    print(f"\n{LONG_JOBS} jobs of {prompt}+{LONG_TOKENS} tokens, {blocks // need} fit whole, {planned} as "
+          f"planned with KV_OVERCOMMIT={OVERCOMMIT:g}:\n{report({'worker': trace}, submitted, every=1.0)}")
+    # vLLM starts more than fit whole, as many as the plan lets in (it would start every request whose
+    # prompt fits: all 64), and preempts those the cache cannot hold as they grow.
+    assert blocks // need < max(s.running for s in trace) <= planned
+    assert sum(s.preempted for s in trace) > 0
+    assert max(s.held for s in trace) <= planned + math.ceil(QUEUE_SHARE * planned)

@@ -421,3 +421,34 @@ def test_with_the_kv_cache_known_a_round_without_preemption_raises_by_half_after
     for _ in range(2):
         step(jobs, running=29, kv_usage=0.98, finished=15)  # a round: 29 requests finished, none preempted
     assert jobs.target == int(29 * GROWTH)
+
+
+# --- KV_OVERCOMMIT: requests planned beyond the cache, which vLLM preempts as it fills -------------
+
+
+def test_an_overcommitted_budget_lets_in_that_share_more_and_still_refuses_only_what_the_cache_never_holds():
+    for overcommit, fit in ((0.0, 43), (0.5, 64)):  # requests of 2 blocks: 43 fit whole
+        kv = KvBudget(blocks=86, block_size=128, overcommit=overcommit)
+        assert admit_all(kv, 64, 128) == fit and kv.requests_that_fit() == fit
+        assert not kv.never_fits(100, 86 * 128 - 100) and kv.never_fits(100, 86 * 128 - 99)  # the cache itself
+
+
+def admit_all(kv: KvBudget, prompt: int, max_tokens: int) -> int:
+    """Requests of that size admitted, one after another, while they fit."""
+    admitted = 0
+    while kv.fits(need := kv.need(prompt, max_tokens)):
+        kv.admit(need)
+        admitted += 1
+    return admitted
+
+
+def test_with_an_overcommitted_budget_a_preemption_or_a_queue_in_vllm_is_planned_and_cuts_nothing():
+    for overcommit, fit, after in ((0.5, 64, 64), (0.0, 43, 43 - 8)):
+        held = Held(fit)
+        jobs = Concurrency(1, 256, held, start=64, kv_overcommit=overcommit)
+        jobs.set_kv_cache(86, 128, 8192)
+        for _ in range(SIZE_WINDOW):
+            jobs.kv.need(64, 128)
+        for _ in range(PATIENCE):  # vLLM runs what its cache holds and queues the rest
+            step(jobs, running=43, waiting=21, preempted=8)
+        assert jobs.target == after  # without overcommit: cut to what ran, less those preempted

@@ -34,10 +34,10 @@ def test_usage_statistics_are_sent_only_when_the_operator_says_so(value, setting
 
 
 @pytest.mark.parametrize("users", [None, "spawn", "fork"])
-def test_on_the_cpu_engine_processes_are_forked_unless_the_user_chose(users, monkeypatch):
+def test_on_the_cpu_the_engine_core_is_forked_and_spawns_its_workers_unless_the_user_chose(users, monkeypatch):
     """vLLM's CPU platform writes "spawn" with every configuration it builds; the method is set again
-    as the engine processes start, start after start: the user's, else "fork". A real worker:
-    tests/worker/test_process.py."""
+    as the engine processes start, start after start: the user's, else "fork" for the engine core
+    and "spawn" in it, for its model workers. A real worker: tests/worker/test_process.py."""
     from worker.vllm_adapter import engine_env
 
     name = engine_env.START_METHOD_ENV
@@ -46,3 +46,17 @@ def test_on_the_cpu_engine_processes_are_forked_unless_the_user_chose(users, mon
         monkeypatch.setenv(name, "spawn")  # as vLLM's CPU platform writes it
         engine_env._start_method()
         assert os.environ[name] == (users or "fork")
+        assert in_a_forked_child(lambda: os.environ[name]) == (users or "spawn")
+
+
+def in_a_forked_child(read) -> str:
+    """What ``read()`` returns in a process forked from this one."""
+    readable, writable = os.pipe()
+    if (pid := os.fork()) == 0:  # the child: answer, and leave without running anything of the parent's
+        os.write(writable, read().encode())
+        os._exit(0)
+    os.close(writable)
+    with os.fdopen(readable) as answer:
+        value = answer.read()
+    assert os.waitpid(pid, 0)[1] == 0
+    return value

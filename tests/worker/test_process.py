@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from conftest import CPU_ENV, REPO, alive, descendants, engine_env, wait_for
@@ -202,13 +203,25 @@ def program_at(pid: int) -> str:
         return maps.readline().split()[0]
 
 
-def test_on_the_cpu_the_engines_processes_are_forked_not_spawned(rp_worker):
-    """vLLM's CPU platform spawns them, each importing vLLM again (~8 s of a core); the worker
-    forks them, as vLLM does on a GPU. (A user's VLLM_WORKER_MULTIPROC_METHOD=spawn is kept:
-    test_vllms_engine_processes_send_no_usage_statistics_by_default finds its spawned process.)"""
+def test_on_the_cpu_the_engine_core_is_forked_and_its_model_worker_spawned_with_bound_threads(rp_worker):
+    """vLLM's CPU platform spawns both, each importing vLLM again (~8 s of a core); the worker forks
+    the engine core, as vLLM does on a GPU. The model worker is spawned: vLLM binds its OpenMP
+    threads to cores (cpu-dev.env's VLLM_CPU_OMP_THREADS_BIND=0-1) through variables OpenMP reads as
+    a process loads it, which a forked one loaded before. (A user's VLLM_WORKER_MULTIPROC_METHOD is
+    kept: test_vllms_engine_processes_send_no_usage_statistics_by_default finds its spawned process.)"""
     proc, _ = rp_worker
-    engine = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::")]  # core, CPU worker
-    assert len(engine) == 2 and {program_at(pid) for pid in engine} == {program_at(proc.pid)}
+    (core,) = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::EngineCore")]
+    (model,) = [pid for pid in descendants(proc.pid) if cmdline(pid).startswith(b"VLLM::Worker")]
+    assert program_at(core) == program_at(proc.pid) != program_at(model)
+    assert threads_bound_to(model) == {1, 2}  # each thread on one core, both cores used (forked: {3})
+
+
+def threads_bound_to(pid: int) -> set[int]:
+    """The CPU masks of the process's own threads (named as the process: vLLM's, OpenMP's): 1 is core
+    0, 2 core 1, 3 either (a thread the kernel moves between the two)."""
+    return {sum(1 << cpu for cpu in os.sched_getaffinity(int(task)))
+            for task in os.listdir(f"/proc/{pid}/task")
+            if Path(f"/proc/{pid}/task/{task}/comm").read_text().strip() == "VLLM::Worker"}
 
 
 def cmdline(pid: int) -> bytes:

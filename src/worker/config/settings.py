@@ -94,6 +94,9 @@ class WorkerSettings(BaseModel):
     # in that time, waiting for room, so that a freed slot is refilled at once (scheduling/concurrency).
     job_take_latency: float = Field(0.1, ge=0, le=60, allow_inf_nan=False,
                                     validation_alias=env_alias("JOB_TAKE_LATENCY"))
+    # The share of the KV cache the admission gate plans beyond it: requests that start at once and
+    # that vLLM preempts as the cache fills (scheduling/concurrency.KvBudget); 0: none, no preemption.
+    kv_overcommit: float = Field(0.0, ge=0, le=4, allow_inf_nan=False, validation_alias=env_alias("KV_OVERCOMMIT"))
     # The most completions (``n``) one request may ask for: a larger one is refused (engine/admission).
     max_n: int = Field(DEFAULT_MAX_N, ge=1, validation_alias=env_alias("MAX_N"))
     max_batch_size: int = Field(50, ge=1, validation_alias=env_alias("DEFAULT_BATCH_SIZE"))

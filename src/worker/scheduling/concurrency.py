@@ -13,10 +13,13 @@ set no ``max_tokens``, what such requests took. Until ``MIN_OUTPUTS`` have finis
 (the most it can take: a fresh worker's first burst needs no preemption to find the limit), or
 ``DEFAULT_OUTPUT_TOKENS``. A prompt's part that nearly every recent request found in vLLM's prefix
 cache (a shared system prompt) is planned once, not per request. A request enters vLLM once the
-blocks planned for the requests in it leave room for its own (``engine/admission``), so vLLM never
-admits more than the cache holds when they have all grown; it would admit any request whose prompt
-fits, and preempt as they grow. The jobs to hold are the requests that fit (those in vLLM, and as
-many more of the recent requests' mean size as the free blocks hold) plus a few that wait for room:
+blocks planned for the requests in it leave room for its own (``engine/admission``). The room is the
+cache and ``overcommit`` times it more (``KV_OVERCOMMIT``): with none, vLLM never admits more than
+the cache holds when they have all grown; it would admit any request whose prompt fits, and preempt
+as they grow. With some, the requests beyond the cache get their first tokens at once, and vLLM
+preempts them as the cache fills, within the plan's bound. The jobs to hold are the requests that
+fit (those in vLLM, and as many more of the recent requests' mean size as the free blocks hold)
+plus a few that wait for room:
 as many as finish during one job-take round trip (``take_latency``, ``JOB_TAKE_LATENCY``), at most
 ``QUEUE_SHARE`` of those that fit, so that a freed slot is refilled at once, and a job that could
 start on another worker of the endpoint does not wait long in this one.
@@ -26,7 +29,7 @@ each engine step:
 
 - **fewer** when the engine is out of room: requests have waited ``PATIENCE`` steps in a row while
   none was admitted, or vLLM reports a preemption (when the preempted request resumes; a request ran
-  longer than planned). The target falls to the requests the step ran, less those preempted to run
+  longer than planned), unless the budget overcommits (it planned them). The target falls to the requests the step ran, less those preempted to run
   them. Requests that wait while others are admitted are a burst's prefill spread over steps by the
   token budget: that holds the target. While the worker still holds more than the target, that
   surplus (already cut) is the cause, and the engine is not read again;
@@ -79,12 +82,14 @@ RATE_SECONDS = 10.0  # requests finished per second, over this long
 class KvBudget:
     """vLLM's KV cache in blocks, and the blocks planned for the requests in the engine."""
 
-    def __init__(self, blocks: int, block_size: int, context: int | None = None, prefix_caching: bool = False) -> None:
+    def __init__(self, blocks: int, block_size: int, context: int | None = None, prefix_caching: bool = False,
+                 overcommit: float = 0.0) -> None:
         """``blocks``: the cache's usable blocks (vLLM's ``num_gpu_blocks`` less its null block);
         ``context``: the model's context length (``max_model_len``); ``prefix_caching``: vLLM's, with
-        which a request's sequences share its prompt's whole blocks."""
+        which a request's sequences share its prompt's whole blocks; ``overcommit``: the share of the
+        cache planned beyond it (``KV_OVERCOMMIT``)."""
         self.blocks, self.block_size, self.context = blocks, block_size, context
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.overcommit = prefix_caching, overcommit
         self.used = 0  # blocks planned for the requests admitted
         self.admitted = 0
         # When the client set max_tokens: the outputs, and each one's share of its max_tokens; when not,
@@ -160,8 +165,9 @@ class KvBudget:
 
     @property
     def _room(self) -> int:
-        """The blocks requests' own parts may take: the shared prefix holds the rest."""
-        return self.blocks - self.prefix_blocks
+        """The blocks requests' own parts may take, as planned: the shared prefix holds the rest of
+        the cache, and ``overcommit`` adds its share of what is left."""
+        return int((self.blocks - self.prefix_blocks) * (1 + self.overcommit))
 
     def admit(self, blocks: int) -> None:
         self.used += blocks
@@ -206,13 +212,13 @@ class Concurrency:
 
     def __init__(self, floor: int, cap: int | None, held: Callable[[], int], start: int = START,
                  on_raise: Callable[[], None] | None = None, take_latency: float = 0.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 kv_overcommit: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         """``held()``: the jobs the worker holds now; ``cap`` None: not known yet (vLLM resolves
         ``max_num_seqs`` as the engine starts), see ``set_cap``; ``on_raise()``: called after the
         target rose, on the engine's thread; ``take_latency``: seconds from asking RunPod for a job to
-        holding it."""
+        holding it; ``kv_overcommit``: the KV budget's (``KvBudget``)."""
         self.floor, self._held, self.on_raise = floor, held, on_raise
-        self.take_latency, self._clock = take_latency, clock
+        self.take_latency, self.kv_overcommit, self._clock = take_latency, kv_overcommit, clock
         self.cap = max(floor, cap) if cap is not None else None
         self.kv: KvBudget | None = None
         self._adaptive = self._bounded(start)
@@ -252,8 +258,9 @@ class Concurrency:
     def set_kv_cache(self, blocks: int, block_size: int, context: int, prefix_caching: bool = False) -> None:
         """The KV cache's usable blocks and their size, once the engine has allocated it, the model's
         context length, and whether vLLM caches prefixes."""
-        self.kv = KvBudget(blocks, block_size, context, prefix_caching)
-        log.info("KV cache: %d blocks of %d tokens; requests enter vLLM as they fit whole", blocks, block_size)
+        self.kv = KvBudget(blocks, block_size, context, prefix_caching, self.kv_overcommit)
+        log.info("KV cache: %d blocks of %d tokens; requests enter vLLM as they fit whole%s", blocks, block_size,
+                 f", and {self.kv_overcommit:.0%} more" if self.kv_overcommit else "")
 
     def observe(self, *, running: int, waiting: int, kv_usage: float, started: int, finished: int,
                 preempted: int = 0, outputs: tuple[tuple[int, int, int | None, int], ...] = ()) -> None:
@@ -266,6 +273,8 @@ class Concurrency:
         held = self._held()
         # A resumed request is admitted too, as a started one is.
         self._stalled = self._stalled + 1 if waiting and not (started or preempted) else 0
+        if self.kv and self.kv.overcommit:  # the budget lets vLLM preempt and queue: its plan bounds the load
+            self._stalled, preempted = 0, 0
         if (self._stalled >= PATIENCE or preempted) and held <= self.target:
             self._out_of_room(running + finished - preempted, preempted)
         elif held + finished >= self.target:  # full (else these steps say nothing about ``target`` jobs)

@@ -1,11 +1,12 @@
 """The environment vLLM's engine processes start with, which they inherit from the worker's: usage
-statistics off unless the operator turns them on; on the CPU, the processes forked (vLLM spawns
-them) and Inductor's compiled kernels (and its precompiled headers) kept in an entry of vLLM's cache
-root; a variable changed later read again (``reread_envs``); and what the worker reads of that cache
-(its root, its entries' folders, whether an engine compiles at all)."""
+statistics off unless the operator turns them on; on the CPU, the engine core forked (vLLM spawns
+it) and its model workers spawned, and Inductor's compiled kernels (and its precompiled headers)
+kept in an entry of vLLM's cache root; a variable changed later read again (``reread_envs``); and
+what the worker reads of that cache (its root, its entries' folders, whether an engine compiles)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -82,20 +83,39 @@ def _no_usage_stats() -> None:
 
 # vLLM starts its engine core's and its workers' processes by this method. Its CPU platform writes
 # "spawn" whenever it builds a configuration (a default one too), so that each process imports vLLM
-# again: 8 s of a core each, two per start. The worker forks them on the CPU, as vLLM does on a GPU:
-# its own process never runs the model, so no OpenMP thread pool is copied into them, and no
-# import is half done in them (startup/serving_imports). The user's value, read before any
-# configuration is built (importing this module builds none), is kept.
+# again: 8 s of a core each, two per start. On the CPU the worker forks the engine core, as vLLM does
+# on a GPU (its own process never runs the model, and no import is half done in it:
+# startup/serving_imports), and the engine core spawns its model workers: vLLM binds their OpenMP
+# threads to cores through variables (GOMP_CPU_AFFINITY, OMP_PLACES) that OpenMP reads only as a
+# process loads it, so a forked model worker's threads float, and it decoded a quarter slower (bench
+# item 20). The user's value, read before any configuration is built (importing this module builds
+# none), is kept for both.
 START_METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 _USERS_START_METHOD = env_value(START_METHOD_ENV, os.environ)
 
 
 def _start_method() -> None:
     """The engine processes' start method, set just before they start: the user's, else on the CPU
-    "fork"."""
-    chosen = _USERS_START_METHOD or ("fork" if current_platform.is_cpu() else None)
+    "fork" for the engine core and "spawn" for the model workers it starts."""
+    if _USERS_START_METHOD or not current_platform.is_cpu():
+        chosen = _USERS_START_METHOD
+    else:
+        chosen = "fork"
+        _spawn_in_forked_children()
     if chosen and os.environ.get(START_METHOD_ENV) != chosen:
         os.environ[START_METHOD_ENV] = chosen
+        reread_envs()
+
+
+@functools.cache
+def _spawn_in_forked_children() -> None:
+    """A process forked from this one (the engine core) spawns the processes vLLM starts in it."""
+    os.register_at_fork(after_in_child=_spawn_here)
+
+
+def _spawn_here() -> None:
+    if not _USERS_START_METHOD:
+        os.environ[START_METHOD_ENV] = "spawn"
         reread_envs()
 
 
