@@ -4,13 +4,14 @@
 vLLM's load generator (random 64-token prompts, chats) at 64 and 128 concurrent requests, twice as
 many requests as streams, SmolLM2 in its own dtype (bfloat16), with the same KV budget on both sides
 (``KV_BYTES``: 86 blocks of 128 tokens, 43 requests whole): two loads whose outputs are forced to
-``KV_OUTPUT_TOKENS`` (``--ignore-eos``), and one mixed (prompts and ``max_tokens`` drawn ±75 % around
-64 and ``KV_OUTPUT_TOKENS``, outputs ending where the model ends them). Sides: one worker behind the
-local endpoint per ``KV_OVERCOMMIT`` value of ``Plan.kv_overcommit`` (its default, 0: the gate that
-lets in only what fits whole; 1: about as many as ``vllm serve`` starts), and ``vllm serve``. Each
-repetition starts each side afresh and runs every load in turn on it, the sides in the order A, B, …, then reversed. Figures: TTFT (median,
-p99), p99 end-to-end latency and output tokens/s, worker ÷ ``vllm serve``, with the issue's goals;
-preemptions per load (the worker's from its controller's trace, ``vllm serve``'s from its /metrics).
+``KV_OUTPUT_TOKENS`` (``--ignore-eos``), and one mixed (prompts and ``max_tokens`` drawn ±75 %
+around 64 and ``KV_OUTPUT_TOKENS``, outputs ending where the model ends them). Sides: one worker
+behind the local endpoint per ``KV_OVERCOMMIT`` value of ``Plan.kv_overcommit`` (its default, 0: the
+gate that lets in only what fits whole; 1: about as many as ``vllm serve`` starts), and ``vllm
+serve``. Each repetition starts each side afresh and runs every load in turn on it, the sides in the
+order A, B, …, then reversed. Figures: TTFT (median, p99), p99 end-to-end latency and output
+tokens/s, worker ÷ ``vllm serve``, with the issue's goals; preemptions per load (the worker's from
+its controller's trace, ``vllm serve``'s from its /metrics).
 """
 
 from __future__ import annotations

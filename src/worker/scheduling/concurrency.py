@@ -30,9 +30,10 @@ each engine step:
 - **fewer** when the engine is out of room: requests have waited ``PATIENCE`` steps in a row while
   none was admitted, or vLLM reports a preemption (when the preempted request resumes; a request ran
   longer than planned), unless the budget overcommits (it planned them). The target falls to the
-  requests the step ran, less those preempted to run them. Requests that wait while others are admitted are a burst's prefill spread over steps by the
-  token budget: that holds the target. While the worker still holds more than the target, that
-  surplus (already cut) is the cause, and the engine is not read again;
+  requests the step ran, less those preempted to run them. Requests that wait while others are
+  admitted are a burst's prefill spread over steps by the token budget: that holds the target. While
+  the worker still holds more than the target, that surplus (already cut) is the cause, and the
+  engine is not read again;
 - **more** while the worker is full (it holds ``target`` jobs), nothing waits in vLLM and its KV
   cache has room. Until the engine first runs out of room, by half (``GROWTH``) after each step in
   which vLLM runs the jobs held before the last rise (a ramp: a burst is met within a few job
