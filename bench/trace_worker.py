@@ -3,11 +3,12 @@ python bench/trace_worker.py`` (``python -m endpoint --handler bench/trace_worke
 With ``LOAD_TRACE_FILE``, it also records what the concurrency controller saw after each engine step.
 
 Item 9 of the bench needs to know where a job's first byte spends its time inside the worker, without
-changing the worker: this wraps, in the runpod SDK, the job fetch (``get_job`` returned the job), the
-job task (``handle_job`` entered, in the SDK's ``JobScaler`` and in ``job_loop.JobLoop``), the stream
-post (``stream_result`` called) and the handler given to ``runpod.serverless.start`` (called, first
-item), and appends ``stage job_id time.time()`` lines to ``TRACE_FILE``. Then it runs the target as
-``__main__``; vLLM's spawned processes re-import the target (``__mp_main__``) without the wrappers.
+changing the worker: this wraps the job fetch (the worker's ``take_jobs``, the SDK's ``get_job``,
+returned the job), the job task (``handle_job`` entered, in the SDK's ``JobScaler`` and in
+``job_loop.JobLoop``), the stream post (``stream_result`` called) and the handler given to
+``runpod.serverless.start`` (called, first item), and appends ``stage job_id time.time()`` lines to
+``TRACE_FILE``. Then it runs the target as ``__main__``; vLLM's spawned processes re-import the target
+(``__mp_main__``) without the wrappers.
 """
 
 from __future__ import annotations
@@ -94,7 +95,8 @@ def install() -> None:
 
     concurrency.Concurrency.observe = _wrap_observe(concurrency.Concurrency.observe)
 
-    rp_scale.get_job = _wrap_get_job(rp_scale.get_job)  # JobScaler.__init__ reads it from here
+    # The worker makes job_loop's take_jobs the SDK's get_job (JobScaler.__init__ reads it there).
+    job_loop.take_jobs = _wrap_get_job(job_loop.take_jobs)
     for cls in (rp_scale.JobScaler, job_loop.JobLoop):
         cls.handle_job = _stamp_before("task_start", cls.__dict__["handle_job"])
     rp_job.stream_result = _stamp_before("stream_post", rp_job.stream_result)  # imported there by name

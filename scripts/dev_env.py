@@ -46,17 +46,26 @@ _PORTS_FROM = 20000  # above the well-known and common service ports
 # the ports: one cannot give a port another has just picked and not bound yet.
 _SHARE = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 _SHARES = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_GIVEN: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
+_RANDOM = random.SystemRandom()
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 free now, below the kernel's ephemeral range: a port from that range can
-    be taken by any outgoing connection's socket before the server that was given it binds it."""
+    """A port of 127.0.0.1 free now, below the kernel's ephemeral range (a port from that range can
+    be taken by any outgoing connection's socket before the server that was given it binds it), and
+    never one this process gave before: two endpoints started at once from two threads each bind
+    theirs only once their processes have started."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(_PORTS_FROM + _SHARE, low, _SHARES), 64):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    with _GIVEN_LOCK:
+        untried = [port for port in range(_PORTS_FROM + _SHARE, low, _SHARES) if port not in _GIVEN]
+        # A generator of its own: libraries seed the global one (vLLM's model worker, with its model's seed).
+        for port in _RANDOM.sample(untried, min(64, len(untried))):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _GIVEN.add(port)
             return port
-    raise OSError(f"no free port of 127.0.0.1 between {_PORTS_FROM} and {low}")
+    raise OSError(f"no free port of 127.0.0.1 between {_PORTS_FROM} and {low} not given before")

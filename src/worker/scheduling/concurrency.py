@@ -272,11 +272,11 @@ class Concurrency:
         before = self.target
         self._count_finished(finished, outputs)
         held = self._held()
-        # A resumed request is admitted too, as a started one is.
-        self._stalled = self._stalled + 1 if waiting and not (started or preempted) else 0
-        if self.kv and self.kv.overcommit:  # the budget lets vLLM preempt and queue: its plan bounds the load
-            self._stalled, preempted = 0, 0
-        if (self._stalled >= PATIENCE or preempted) and held <= self.target:
+        # A resumed request is admitted too, as a started one is. An overcommitting budget planned
+        # vLLM's preemptions and queue: neither says the plan was too large.
+        planned = bool(self.kv and self.kv.overcommit)
+        self._stalled = self._stalled + 1 if waiting and not (started or preempted or planned) else 0
+        if (self._stalled >= PATIENCE or preempted and not planned) and held <= self.target:
             self._out_of_room(running + finished - preempted, preempted)
         elif held + finished >= self.target:  # full (else these steps say nothing about ``target`` jobs)
             self._peak = max(self._peak, kv_usage)
