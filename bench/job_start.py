@@ -122,9 +122,9 @@ def loads_in_turn(starts: dict[str, Callable[[], Server]],
     """Item 6's loads on the servers ``starts`` make (all serving one model): for each repetition, on
     servers started afresh (in reversed order on odd repetitions) and warmed up, and for each of
     ``plan.concurrency``, every server's load, measured in turn (the others idle). Afresh, because
-    servers kept up for every repetition measure one start of each, and the ratio held through a start
-    and moved between starts: at one stream, 0.815 in one run and 0.936 in the next, each run's three
-    repetitions within 0.03 (RESULTS.md's latency notes)."""
+    servers kept up for every repetition measure one start of each, and the tokens/s ratio held through
+    a start and moved between starts: at one stream, 0.815 in one run and 0.936 in the next, each run's
+    three repetitions within 0.03 (RESULTS.md's latency notes)."""
     top = max(plan.concurrency)
     for rep in range(plan.reps):
         order = list(starts)[::-1] if rep % 2 else list(starts)
