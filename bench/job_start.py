@@ -2,7 +2,8 @@
 with the runpod SDK's own polling loop (``JOB_LOOP=sdk``, "before").
 
 6. vLLM's own load generator (``vllm.benchmarks.serve``: random prompts, openai-chat) against the worker
-   (both loops) and ``vllm serve``, measured in turn at each concurrency: TTFT and tokens/s ratios.
+   (both loops) and ``vllm serve``, measured in turn at each concurrency, on servers started afresh for
+   each repetition (``loads_in_turn``): TTFT and tokens/s ratios.
 7. The stub worker under a burst of short jobs: how full its slots stay and how soon a freed slot refills.
 8. The emulator's own cost: the stub worker's first byte, and the part of it spent in the endpoint.
 9. Where the first byte's time goes, stage by stage, for the stub and the real worker, before and after.
@@ -15,19 +16,20 @@ stamps cost microseconds per job.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 
-from bench.common import REPO, Load, Plan, Results, in_turn, model_env
-from bench.servers import Endpoint, Server, VllmServe
+from bench.common import REPO, VLLM_SERVE, Load, Plan, Results, in_turn, model_env
+from bench.servers import Endpoint, Server, VllmServe, started
 
 STUB = REPO / "tests" / "stub_worker.py"
 HANDLER = REPO / "src" / "handler.py"
@@ -101,7 +103,7 @@ def vllm_bench_result(server: Server, model_path: str, n: int, prompts: int, out
 
 
 def _record_loads(model: str, n: int, loads: dict[str, Load], results: Results) -> None:
-    serve = loads["vllm serve"]
+    serve = loads[VLLM_SERVE]
     item = "6 job path (vllm bench)"
     for path, load in loads.items():
         results.job_path.setdefault((model, path, n), []).append(load)
@@ -115,25 +117,26 @@ def _record_loads(model: str, n: int, loads: dict[str, Load], results: Results) 
             worker.tokens_per_s / serve.tokens_per_s)
 
 
-def loads_in_turn(servers: dict[str, Server], plan: Plan) -> Iterator[tuple[int, dict[str, Load]]]:
-    """Item 6's loads on ``servers`` (all up, serving one model), warmed up first: for each repetition
-    and each of ``plan.concurrency``, every server's load, measured in turn (the others idle)."""
-    path = next(iter(servers.values())).env["MODEL_NAME"]
+def loads_in_turn(starts: dict[str, Callable[[], Server]],
+                  plan: Plan) -> Iterator[tuple[int, dict[str, Load]]]:
+    """Item 6's loads on the servers ``starts`` make (all serving one model): for each repetition, on
+    servers started afresh (in reversed order on odd repetitions) and warmed up, and for each of
+    ``plan.concurrency``, every server's load, measured in turn (the others idle). Afresh, because
+    servers kept up for every repetition measure one start of each, and the tokens/s ratio held through
+    a start and moved between starts: at one stream, 0.815 in one run and 0.936 in the next, each run's
+    three repetitions within 0.03 (RESULTS.md's latency notes)."""
     top = max(plan.concurrency)
-    for server in servers.values():
-        vllm_bench(server, path, top, top, 8)
     for rep in range(plan.reps):
-        for n in plan.concurrency:
-            prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
-            runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
-                    for name, server in servers.items()}
-            yield n, in_turn(rep, runs)
-
-
-def job_path(model: str, servers: dict[str, Server], plan: Plan, results: Results) -> None:
-    """Item 6 on ``servers`` (the two workers' endpoints and vllm serve), warmed up first."""
-    for n, loads in loads_in_turn(servers, plan):
-        _record_loads(model, n, loads, results)
+        order = list(starts)[::-1] if rep % 2 else list(starts)
+        with started({name: starts[name] for name in order}) as servers:
+            path = next(iter(servers.values())).env["MODEL_NAME"]
+            for server in servers.values():
+                vllm_bench(server, path, top, top, 8)
+            for n in plan.concurrency:
+                prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
+                runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
+                        for name, server in servers.items()}
+                yield n, in_turn(rep, runs)
 
 
 # --- item 7: slot occupancy and refill -----------------------------------------------------------------
@@ -274,18 +277,15 @@ def run_stub(plan: Plan, results: Results) -> None:
 
 
 def run_model(plan: Plan, results: Results) -> None:
-    """Items 6 and 9 (real worker) on ``plan.latency_model``."""
+    """Items 6 and 9 (real worker) on ``plan.latency_model``; item 9 on workers started afresh."""
     model = plan.latency_model
     env = model_env(model, plan)
     logs = Path(tempfile.mkdtemp(prefix=f"bench-latency-{model}-"))
-    servers: dict[str, Server] = {}
-    try:
-        for loop, value in LOOPS.items():
-            servers[f"worker {loop}"] = traced_endpoint({**env, "JOB_LOOP": value}, logs, loop, HANDLER)
-        servers["vllm serve"] = VllmServe(env, logs / "vllm-serve.log")
-        job_path(model, servers, plan, results)
-        trace(model, {loop: servers[f"worker {loop}"] for loop in LOOPS}, env["MODEL_NAME"], plan,
+    workers = {f"worker {loop}": functools.partial(traced_endpoint, {**env, "JOB_LOOP": value}, logs, loop,
+                                                   HANDLER) for loop, value in LOOPS.items()}
+    serve = functools.partial(VllmServe, env, logs / "vllm-serve.log")
+    for n, loads in loads_in_turn({**workers, VLLM_SERVE: serve}, plan):
+        _record_loads(model, n, loads, results)
+    with started(workers) as endpoints:
+        trace(model, {loop: endpoints[f"worker {loop}"] for loop in LOOPS}, env["MODEL_NAME"], plan,
               plan.trace_max_tokens, results)
-    finally:
-        for server in servers.values():
-            server.stop()

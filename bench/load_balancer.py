@@ -2,8 +2,8 @@
 ``src/worker/load_balancer/``), beside ``vllm serve`` and beside queue mode.
 
 Four servers of ``plan.latency_model`` with the same engine flags (``model_env``, as item 6, but a KV
-cache of ``KV_CACHE`` that holds 64 of these requests whole), each with one engine, all up for the whole
-part:
+cache of ``KV_CACHE`` that holds 64 of these requests whole), each with one engine, all up at once and
+started afresh for each repetition (item 6's ``job_start.loads_in_turn``):
 
 - ``vllm serve``;
 - the local balancer (``python -m endpoint --load-balancer``, one worker): requests at its own
@@ -27,6 +27,7 @@ README's concurrency table) would be counted as the path's.
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 
@@ -49,15 +50,10 @@ def run(plan: Plan, results: Results) -> None:
     model = plan.latency_model
     env = {**model_env(model, plan), "KV_CACHE_MEMORY_BYTES": KV_CACHE}
     logs = Path(tempfile.mkdtemp(prefix=f"bench-lb-{model}-"))
-    servers: dict[str, Server] = {}
-    try:
-        for name, kind in SERVERS.items():  # one after the other: each start has both cores
-            servers[name] = kind(env, logs / f"{name.replace(' ', '-')}.log")
-        for n, loads in loads_in_turn(servers, plan):
-            _record(model, n, loads, results)
-    finally:
-        for server in servers.values():
-            server.stop()
+    starts = {name: functools.partial(kind, env, logs / f"{name.replace(' ', '-')}.log")
+              for name, kind in SERVERS.items()}
+    for n, loads in loads_in_turn(starts, plan):
+        _record(model, n, loads, results)
 
 
 def _record(model: str, n: int, loads: dict[str, Load], results: Results) -> None:

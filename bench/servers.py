@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +94,12 @@ class Server:
             return httpx.get(url, timeout=2)
         return None
 
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """SIGTERM (a clean vLLM shutdown), then SIGKILL for whatever of the session is left."""
         if self.proc.poll() is None:
@@ -105,6 +112,14 @@ class Server:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+@contextlib.contextmanager
+def started(starts: dict[str, Callable[[], Server]]) -> Iterator[dict[str, Server]]:
+    """The servers ``starts`` make, by name, started one after the other (each start has both cores)
+    in the order given, all stopped on leaving."""
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(start()) for name, start in starts.items()}
 
 
 def _session_alive(sid: int) -> bool:
