@@ -133,7 +133,7 @@ def loads_in_turn(starts: dict[str, Callable[[], Server]],
             for server in servers.values():
                 vllm_bench(server, path, top, top, 8)
             for n in plan.concurrency:
-                prompts = max(16, 2 * n)  # at 1, each run is ~40 s: steadier than a shorter one
+                prompts = max(16, 2 * n)  # at 1, 16 chats: ~100 s of SmolLM2 in float32 here
                 runs = {name: lambda s=server, n=n: vllm_bench(s, path, n, prompts, plan.max_tokens)
                         for name, server in servers.items()}
                 yield n, in_turn(rep, runs)
