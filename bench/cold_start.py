@@ -27,7 +27,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import TypeVar
 
-from bench.common import Plan, Results, ab, model_env
+from bench.common import Plan, Results, ab, model_env, turn_order
 from bench.servers import Endpoint, VllmServe
 from worker.config.worker_config import VOLUME_CACHE_DIR
 
@@ -184,8 +184,7 @@ def load_formats(model: str, plan: Plan, logs: Path, results: Results) -> None:
     """Item 12: each load format in turn, ``plan.reps`` times (a format this CPU cannot use is noted)."""
     item = "12 weight loading"
     for rep in range(plan.reps):
-        names = list(LOAD_FORMATS)[::-1] if rep % 2 else list(LOAD_FORMATS)
-        for name in names:
+        for name in turn_order(rep, LOAD_FORMATS):
             env = {**model_env(model, plan), **LOAD_FORMATS[name]}
             try:
                 endpoint = _worker(env, logs / f"load-{rep}-{name}.log")

@@ -10,7 +10,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -153,10 +153,14 @@ def ab(rep: int, a: Callable[[], T], b: Callable[[], T]) -> tuple[T, T]:
     return first, b()
 
 
+def turn_order(rep: int, names: Iterable[str]) -> list[str]:
+    """``names`` in their order, reversed on odd repetitions (ABC, CBA, …), so drift favours none."""
+    return list(names)[::-1] if rep % 2 else list(names)
+
+
 def in_turn(rep: int, runs: dict[str, Callable[[], T]]) -> dict[str, T]:
-    """Every run once, in reversed order on odd repetitions (ABC, CBA, …), so drift favours none."""
-    order = list(runs)[::-1] if rep % 2 else list(runs)
-    return {name: runs[name]() for name in order}
+    """Every run once, in ``turn_order``."""
+    return {name: runs[name]() for name in turn_order(rep, runs)}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import REPO, VLLM_SERVE, Load, Plan, Results, in_turn, model_env
+from bench.common import REPO, VLLM_SERVE, Load, Plan, Results, in_turn, model_env, turn_order
 from bench.servers import Endpoint, Server, VllmServe, started
 
 STUB = REPO / "tests" / "stub_worker.py"
@@ -127,8 +127,7 @@ def loads_in_turn(starts: dict[str, Callable[[], Server]],
     three repetitions within 0.03 (RESULTS.md's latency notes)."""
     top = max(plan.concurrency)
     for rep in range(plan.reps):
-        order = list(starts)[::-1] if rep % 2 else list(starts)
-        with started({name: starts[name] for name in order}) as servers:
+        with started({name: starts[name] for name in turn_order(rep, starts)}) as servers:
             path = next(iter(servers.values())).env["MODEL_NAME"]
             for server in servers.values():
                 vllm_bench(server, path, top, top, 8)
@@ -170,7 +169,7 @@ def slot_refill(plan: Plan, logs: Path, results: Results) -> None:
                  for loop, value in LOOPS.items()}
     try:
         for rep in range(plan.reps):
-            for loop in list(LOOPS)[::-1] if rep % 2 else LOOPS:
+            for loop in turn_order(rep, LOOPS):
                 endpoint = endpoints[loop]
                 ids = asyncio.run(_burst(endpoint.base_url.removesuffix("/openai/v1"), plan.slot_jobs))
                 stamps = read_trace(endpoint)
